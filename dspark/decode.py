@@ -1,0 +1,285 @@
+"""The decode loop: batched speculative decoding, and plain decoding as its zero-draft case.
+
+Shapes: B requests in the batch, K draft positions, V vocabulary, F concatenated host features, Tmax positions.
+
+One round (DSPARK.md §1): 1 draft, 2 schedule, 3 verify, 4 accept, 5 commit. Differences between methods live in
+drafters and verifiers, never here. Plain decoding is the same loop with a drafter that proposes nothing (K = 0):
+each round verifies only the anchor and draws the next token from p.
+
+Noise keys (see dspark.sampling): the acceptance test of a draft and the draw of the token after the accepted
+ones are keyed by the absolute position of the token decided, which each position gets exactly once; drafters key
+theirs by (round, k). A request's output therefore depends only on its prompt, seed and the policies, never on its
+batch companions (up to float reassociation in batched kernels).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from dspark.acceptance import greedy_accept, rejection_sample
+from dspark.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, process, sample, uniform
+from drafters.base import DraftState, Drafter, Proposal
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: the loop degenerates to plain autoregressive decoding."""
+
+    name = "none"
+
+    def propose(self, state: DraftState, K: int) -> Proposal:
+        return Proposal(tokens=state.seq.new_zeros(state.seq.shape[0], 0))
+
+
+@dataclass
+class RoundLog:
+    """One row per (request, round): everything DSPARK.md §5's metrics need. Tensors are on the CPU."""
+
+    request: list[torch.Tensor] = field(default_factory=list)  # (B,) request index in the prompt list
+    round: list[torch.Tensor] = field(default_factory=list)  # (B,) the request's round number
+    proposed: list[torch.Tensor] = field(default_factory=list)  # (B,) drafts offered
+    verified: list[torch.Tensor] = field(default_factory=list)  # (B,) ell: drafts the host verified
+    accepted: list[torch.Tensor] = field(default_factory=list)  # (B,) drafts accepted
+    committed: list[torch.Tensor] = field(default_factory=list)  # (B,) tokens committed (accepted + 1, cut at stops)
+    confidence: list[torch.Tensor | None] = field(default_factory=list)  # (B, K) or None
+    batch: list[int] = field(default_factory=list)  # requests in the batch that round (the load)
+
+    def column(self, name: str) -> torch.Tensor:
+        """All rows of one integer column, concatenated: (N,)."""
+        parts = getattr(self, name)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def confidences(self) -> torch.Tensor | None:
+        """(N, K) confidences of every row, or None when the drafter gave none."""
+        if not self.confidence or any(c is None for c in self.confidence):
+            return None
+        return torch.cat(self.confidence)
+
+    def extend(self, other: "RoundLog") -> None:
+        for name in ("request", "round", "proposed", "verified", "accepted", "committed", "confidence", "batch"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # new tokens of each request, in prompt order
+    finish_reasons: list[str]  # "stop" (a stop token was generated) or "length"
+    log: RoundLog
+    seconds: float
+    rounds: int  # loop iterations (batched rounds), prefill excluded
+
+    @property
+    def stats(self) -> dict:
+        """tau (accepted + 1 per request-round), rounds, tokens_per_s and token counts."""
+        accepted = self.log.column("accepted").float()
+        new_tokens = sum(len(t) for t in self.token_ids)
+        return {
+            "tau": float((accepted + 1).mean()) if len(accepted) else float("nan"),
+            "rounds": self.rounds,
+            "tokens_per_s": new_tokens / self.seconds if self.seconds > 0 else float("nan"),
+            "new_tokens": new_tokens,
+            "seconds": self.seconds,
+        }
+
+
+def _per_request(value, n: int, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{what} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def validate_prompts(host, prompts: Sequence[Sequence[int]], max_new_tokens: list[int]) -> None:
+    """Clear errors for empty prompts, bad token ids and requests that do not fit the host's context."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r} for prompt {i}")
+        if min(prompt) < 0 or max(prompt) >= host.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the host vocabulary [0, {host.vocab_size})")
+        if len(prompt) + new > host.max_context:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={new} it needs "
+                             f"{len(prompt) + new} positions, beyond the host's context of {host.max_context}")
+
+
+def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None = None, verifier=None,
+             draft_length: int = 7, max_new_tokens: int | Sequence[int] = 128,
+             sampling: SamplingConfig = SamplingConfig(), seed: int = 0, seeds: Sequence[int] | None = None,
+             stop_token_ids: Iterable[int] | None = None, batch_size: int | None = None, progress: bool = False,
+             on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
+    """Decode every prompt (lists of token ids); speculative when `drafter` is given, plain otherwise.
+
+    Requests run in batches of `batch_size` (default: all at once). Request i is seeded with seeds[i] (default
+    seed + i). `on_tokens(i, new_ids)` is called as tokens of request i are committed (for streaming).
+    """
+    n = len(prompts)
+    limits = _per_request(max_new_tokens, n, "max_new_tokens")
+    validate_prompts(host, prompts, limits)
+    drafter = drafter or NoDrafter()
+    K = 0 if isinstance(drafter, NoDrafter) else draft_length
+    if not isinstance(drafter, NoDrafter) and (isinstance(K, bool) or not isinstance(K, int) or K < 1):
+        raise ValueError(f"draft_length (gamma) must be an integer >= 1, got {draft_length!r}")
+    host.check_taps(drafter.feature_layers)
+    if verifier is None:
+        from verifiers.full import VerifyAll
+        verifier = VerifyAll()
+    seeds = list(seeds) if seeds is not None else [seed + i for i in range(n)]
+    if len(seeds) != n:
+        raise ValueError(f"seeds has {len(seeds)} entries for {n} prompts")
+    stops = set(host.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    batch_size = batch_size or n
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    log = RoundLog()
+    rounds = 0
+    bar = tqdm(total=sum(limits), desc="decode", unit="tok", disable=not progress)
+    start_time = time.perf_counter()
+    for lo in range(0, n, batch_size):
+        ids = list(range(lo, min(n, lo + batch_size)))
+        rounds += _decode_batch(host, [list(prompts[i]) for i in ids], ids, drafter=drafter, verifier=verifier,
+                                K=K, limits=[limits[i] for i in ids], sampling=sampling,
+                                seeds=[seeds[i] for i in ids], stops=stops, outputs=outputs, reasons=reasons,
+                                log=log, bar=bar, on_tokens=on_tokens)
+    seconds = time.perf_counter() - start_time
+    bar.close()
+    return GenerationResult(token_ids=outputs, finish_reasons=reasons, log=log, seconds=seconds, rounds=rounds)
+
+
+def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seeds, stops, outputs, reasons,
+                  log, bar, on_tokens) -> int:
+    """Decode one batch to completion, writing into outputs/reasons/log; returns the number of rounds."""
+    device, B = host.device, len(prompts)
+    plen = torch.tensor([len(p) for p in prompts])
+    max_len = int(plen.max()) + max(limits) + K + 2
+    request = torch.tensor(ids)  # (B,) request index of each live row
+    remaining = torch.tensor(limits)  # (B,) tokens still allowed, CPU
+    seq = torch.zeros(B, max_len, dtype=torch.long)  # (B, Tmax)
+    for b, p in enumerate(prompts):
+        seq[b, : len(p)] = torch.tensor(p)
+    seq = seq.to(device)
+    cache = host.new_cache(B, max_len)
+    state = DraftState(seq=seq, seq_len=plen.to(device), seeds=torch.tensor(seeds, device=device),
+                       rounds=torch.zeros(B, dtype=torch.long, device=device), sampling=sampling)
+    cache_len = torch.zeros(B, dtype=torch.long)  # CPU mirror of cache.lengths, for the attention window
+    taps = drafter.feature_layers
+
+    # prefill: the whole prompt, then the first new token from p at the last prompt position
+    out = host.step(cache, seq[:, : int(plen.max())], plen.to(device), taps=taps, attend=int(plen.max()))
+    cache.advance(plen.to(device))
+    cache_len += plen
+    last = out.hidden.gather(1, (plen.to(device) - 1).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1]))
+    first = _draw(host.logits(last[:, 0]), sampling, state.seeds, state.seq_len)  # (B,)
+    state.seq.scatter_(1, state.seq_len.unsqueeze(1), first.unsqueeze(1))
+    state.seq_len += 1
+    drafter.begin(host=host, batch_size=B, max_len=max_len)
+    verifier.begin(batch_size=B)
+    drafter.observe(features=out.features, start=torch.zeros(B, dtype=torch.long, device=device),
+                    n_valid=plen.to(device), state=state)
+    live = _commit_cpu(first.cpu().unsqueeze(1), torch.ones(B, dtype=torch.long), request, remaining, stops,
+                       outputs, reasons, bar, on_tokens)
+
+    rounds = 0
+    while True:
+        if not bool(live.all()):
+            rows = live.nonzero().flatten()
+            if len(rows) == 0:
+                return rounds
+            for part in (cache, drafter, verifier):
+                part.select(rows.to(device))
+            state = DraftState(seq=state.seq[rows.to(device)], seq_len=state.seq_len[rows.to(device)],
+                               seeds=state.seeds[rows.to(device)], rounds=state.rounds[rows.to(device)],
+                               sampling=sampling)
+            request, remaining, cache_len = request[rows], remaining[rows], cache_len[rows]
+        B = len(request)
+        anchor_pos = state.seq_len - 1  # (B,)
+
+        # 1 draft
+        proposal = drafter.propose(state, K)
+        tokens = proposal.tokens  # (B, K)
+        # 2 schedule
+        ell = verifier.lengths(proposal, K).clamp(0, K) if K else torch.zeros(B, dtype=torch.long, device=device)
+        if proposal.lengths is not None:
+            ell = torch.minimum(ell, proposal.lengths)
+        ell = torch.minimum(ell, (remaining - 1).clamp(min=0).to(device))  # never verify past max_new_tokens
+        # 3 verify: [x0, x1..xK]; only the first ell+1 of each row are real
+        inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, K+1)
+        out = host.step(cache, inputs, ell + 1, taps=taps, attend=int(cache_len.max()) + K + 1)
+        logits = host.logits(out.hidden)  # (B, K+1, V)
+        finite = torch.isfinite(logits).flatten(1).all(1)
+        if proposal.q is not None:
+            finite = finite & torch.isfinite(proposal.q).flatten(1).all(1)
+        # 4 accept
+        positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(K + 1, device=device)  # (B, K+1)
+        if sampling.greedy:
+            acc = greedy_accept(logits.argmax(-1), tokens, ell)
+            nxt = acc.next_token
+        else:
+            p = process(logits, sampling)  # (B, K+1, V)
+            u = uniform(state.seeds, positions[:, :K], STREAM_ACCEPT)  # (B, K)
+            acc = rejection_sample(p, proposal.q, tokens, ell, u)
+            nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
+        n_acc = acc.n_accepted
+        # 5 commit: accepted drafts then the next token, written after the anchor
+        new = torch.cat([tokens, tokens.new_zeros(B, 1)], dim=1).scatter_(1, n_acc.unsqueeze(1), nxt.unsqueeze(1))
+        state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new)
+        new_cpu, n_cpu, finite_cpu = new.cpu(), n_acc.cpu(), finite.cpu()  # the round's one device-to-host sync
+        if not bool(finite_cpu.all()):
+            bad = request[~finite_cpu].tolist()
+            raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits in round {rounds} for "
+                                     f"request(s) {bad}; no token of that round was accepted")
+        cache.advance(n_acc + 1)  # the anchor and the accepted drafts are now in the host cache
+        cache_len += n_cpu + 1
+        drafter.observe(features=out.features, start=anchor_pos, n_valid=n_acc + 1, state=state)
+        state.seq_len += n_acc + 1
+        state.rounds += 1
+        committed_before = remaining.clone()
+        live = _commit_cpu(new_cpu, n_cpu + 1, request, remaining, stops, outputs, reasons, bar, on_tokens)
+        log.request.append(request.clone())
+        log.round.append(state.rounds.cpu() - 1)
+        log.proposed.append(torch.full((B,), K, dtype=torch.long) if proposal.lengths is None
+                            else proposal.lengths.cpu())
+        log.verified.append(ell.cpu())
+        log.accepted.append(n_cpu)
+        log.committed.append(committed_before - remaining)
+        log.confidence.append(None if proposal.confidence is None else proposal.confidence.float().cpu())
+        log.batch.append(B)
+        rounds += 1
+
+
+def _draw(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, position: torch.Tensor):
+    """One token per row from logits (B, V), keyed by its absolute position (B,)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return sample(process(logits, sampling), seeds, position, STREAM_SAMPLE)
+
+
+def _commit_cpu(new: torch.Tensor, count: torch.Tensor, request: torch.Tensor, remaining: torch.Tensor,
+                stops: set[int], outputs, reasons, bar, on_tokens) -> torch.Tensor:
+    """Append the first count[b] tokens of new[b] (cut at a stop token or the length limit); (B,) still live."""
+    live = torch.ones(len(request), dtype=torch.bool)
+    for b, (row, c) in enumerate(zip(new.tolist(), count.tolist())):
+        take = row[: min(c, int(remaining[b]))]
+        for j, t in enumerate(take):
+            if t in stops:
+                take = take[: j + 1]
+                reasons[int(request[b])] = "stop"
+                live[b] = False
+                break
+        outputs[int(request[b])].extend(take)
+        remaining[b] -= len(take)
+        if remaining[b] <= 0:
+            live[b] = False
+        if on_tokens is not None and take:
+            on_tokens(int(request[b]), take)
+        bar.update(len(take))
+    return live

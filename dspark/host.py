@@ -1,0 +1,166 @@
+"""The host adapter: one batched, ragged forward over any Llama-family Hugging Face causal LM.
+
+Shapes: B requests, T tokens in a step, H hidden size, F = m*H concatenated taps of m layers, V vocabulary.
+
+`Host.step` runs the host's own modules (embedding, each decoder layer's norms, projections and MLP, rotary
+embedding, final norm) against `KVCache`, verifying a different number of tokens per request in one forward.
+why: transformers' Cache classes change between releases and have no per-row rollback; driving the modules
+directly keeps one fixed-shape step (graph-capturable: positions and masks come from tensors, no per-request
+Python) and works unchanged on transformers 5.17 and later. Logits match a plain transformers forward
+(tests/test_host.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class StepOutput:
+    hidden: torch.Tensor  # (B, T, H) after the final norm
+    features: torch.Tensor | None  # (B, T, F) raw outputs of the tapped layers, concatenated; None without taps
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _bucket(n: int, size: int = 64) -> int:
+    """Round n up to a multiple of `size`. why: the eager path attends over a prefix of the cache; bucketing keeps
+    the set of shapes small (for kernel caches and later graph capture)."""
+    return -(-n // size) * size
+
+
+class Host:
+    """A frozen causal LM with a ragged verify step, hidden-layer taps and its embedding/LM head for drafters."""
+
+    def __init__(self, model, tokenizer=None, *, name: str = "host") -> None:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"host architecture '{config.model_type}' is not supported; supported model types: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama/Qwen2/Qwen3/Mistral family)")
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = config
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.final_norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self.max_context = config.max_position_embeddings
+        self.windows = self._sliding_windows(config)
+
+    def _sliding_windows(self, config) -> list[int | None]:
+        """Per-layer sliding-window size (None = full attention), as the config declares it."""
+        window = config.sliding_window if "sliding_window" in config.to_dict() else None
+        layer_types = config.to_dict().get("layer_types")
+        if layer_types is not None:
+            return [window if kind == "sliding_attention" else None for kind in layer_types]
+        if config.model_type == "mistral":
+            return [window] * self.num_layers
+        return [None] * self.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+        ids: set[int] = set()
+        sources = [self.model.generation_config.eos_token_id, self.config.eos_token_id]
+        if self.tokenizer is not None:
+            sources.append(self.tokenizer.eos_token_id)
+        for eos in sources:
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return ids
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """A zeroed cache for `batch_size` requests of at most `max_len` positions."""
+        return KVCache(num_layers=self.num_layers, batch_size=batch_size, num_kv_heads=self.num_kv_heads,
+                       max_len=max_len, head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+
+    def check_taps(self, taps: tuple[int, ...]) -> None:
+        bad = [i for i in taps if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} do not exist in host '{self.name}' "
+                             f"({self.num_layers} layers, valid 0..{self.num_layers - 1})")
+
+    @torch.no_grad()
+    def step(self, cache: KVCache, tokens: torch.Tensor, n_valid: torch.Tensor, *, taps: tuple[int, ...] = (),
+             attend: int | None = None) -> StepOutput:
+        """One forward of tokens (B, T) at positions cache.lengths + t; the first n_valid[b] of row b are real.
+
+        Writes the KV of all T tokens (padding too, harmlessly, past the valid end) and does not advance the
+        cache. `attend` (a Python int) limits attention to the first `attend` cache positions (eager speed on
+        long caches); None attends over the whole cache (fixed shape, for graph capture).
+        """
+        B, T = tokens.shape
+        positions = cache.positions(T)  # (B, T)
+        if positions.device.type == "cpu" and int(positions[:, -1].max()) >= cache.max_len:
+            raise ValueError(f"KV cache of {cache.max_len} positions is full: a step of {T} tokens at length "
+                             f"{int(cache.lengths.max())} does not fit")
+        W = cache.max_len if attend is None else min(cache.max_len, _bucket(attend))
+        x = self.embed_tokens(tokens)  # (B, T, H)
+        cos, sin = self.rotary(x, positions)  # (B, T, D)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+        key_pos = torch.arange(W, device=tokens.device)
+        causal = key_pos.view(1, 1, W) <= positions.unsqueeze(-1)  # (B, T, W)
+        masks: dict[int | None, torch.Tensor] = {}
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            if window not in masks:
+                allowed = causal if window is None else causal & (key_pos.view(1, 1, W) > positions.unsqueeze(-1) - window)
+                # additive mask (0 / very negative): works with every SDPA backend and never yields NaN, since
+                # every query attends at least to its own position
+                masks[window] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                    ~allowed, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, T, W)
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, T, self.num_heads, self.head_dim)
+            k = attn.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if self.config.model_type == "qwen3":
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.write(i, k, v, positions)
+            keys, values = cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[window], scale=attn.scaling,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in taps:
+                tapped.append(x)
+        features = None
+        if taps:
+            order = {layer_index: n for n, layer_index in enumerate(sorted(taps))}
+            features = torch.cat([tapped[order[i]] for i in taps], dim=-1)  # (B, T, F)
+        return StepOutput(hidden=self.final_norm(x), features=features)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on final-normed hidden (..., H) -> float32 logits (..., V)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,56 @@
+"""Preallocated, position-indexed KV cache with per-request lengths.
+
+Shapes: L layers, B requests, Hkv key/value heads, Tmax positions, D head dim, T tokens in a step.
+
+`lengths[b]` is the number of committed positions of request b. A step writes keys/values for its T tokens at
+positions lengths[b] + t whatever is valid (padding writes garbage past the valid end, which no valid query ever
+attends to and the next step overwrites). Rolling back rejected drafts is therefore only moving a length: nothing
+is erased. why: fixed shapes, no per-request Python loop and no bookkeeping outside tensors, so a captured CUDA
+graph of the step replays exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of requests."""
+
+    def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, Tmax, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, Tmax, D)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(B, T) absolute positions of the next T tokens of every request."""
+        return self.lengths.unsqueeze(1) + torch.arange(T, device=self.lengths.device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store k, v (B, Hkv, T, D) of `layer` at `positions` (B, T)."""
+        index = positions[:, None, :, None].expand_as(k)  # (B, Hkv, T, D)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+
+    def advance(self, n: torch.Tensor) -> None:
+        """Commit n (B,) more positions of each request (the rest of the last step is left to be overwritten)."""
+        self.lengths += n
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        """Set every request's committed length to `lengths` (B,), dropping later positions."""
+        self.lengths.copy_(lengths)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (B',), in that order."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+        self.lengths = self.lengths.index_select(0, rows)
