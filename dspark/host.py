@@ -102,6 +102,8 @@ class Host:
                        max_len=max_len, head_dim=self.head_dim, dtype=self.dtype, device=self.device)
 
     def check_taps(self, taps: tuple[int, ...]) -> None:
+        if len(set(taps)) != len(taps):
+            raise ValueError(f"feature layers {list(taps)} repeat a layer")
         bad = [i for i in taps if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"feature layers {bad} do not exist in host '{self.name}' "
@@ -122,17 +124,47 @@ class Host:
             raise ValueError(f"KV cache of {cache.max_len} positions is full: a step of {T} tokens at length "
                              f"{int(cache.lengths.max())} does not fit")
         W = cache.max_len if attend is None else min(cache.max_len, _bucket(attend))
+        key_pos = torch.arange(W, device=tokens.device).expand(B, W)  # (B, W)
+
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):
+            cache.write(i, k, v, positions)
+            return cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
+
+        return self._run(tokens, positions, key_pos, None, kv, taps)
+
+    def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> StepOutput:
+        """Cache-free causal forward of tokens (B, T) for training: every position sees the earlier positions of
+        its own document (document_ids (B, T); packed sequences restart positions per document). Differentiable
+        through nothing (the host is frozen) but usable under autocast."""
+        B, T = tokens.shape
+        if document_ids is None:
+            document_ids = torch.zeros(B, T, dtype=torch.long, device=tokens.device)
+        starts = torch.ones_like(document_ids, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        index = torch.arange(T, device=tokens.device).expand(B, T)
+        first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+        positions = index - first  # (B, T) position inside the document
+        same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (B, T, T)
+        with torch.no_grad():
+            return self._run(tokens, positions, index, same_doc, lambda i, k, v: (k, v), taps, key_is_query=True)
+
+    def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False) -> StepOutput:
+        """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v)."""
+        B, T = tokens.shape
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = self.rotary(x, positions)  # (B, T, D)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-        key_pos = torch.arange(W, device=tokens.device)
-        causal = key_pos.view(1, 1, W) <= positions.unsqueeze(-1)  # (B, T, W)
+        query_pos = key_pos[:, :T] if key_is_query else positions  # index used for causality
+        causal = key_pos.unsqueeze(1) <= query_pos.unsqueeze(-1)  # (B, T, W)
+        if same_doc is not None:
+            causal = causal & same_doc
         masks: dict[int | None, torch.Tensor] = {}
         tapped = []
         for i, layer in enumerate(self.layers):
             window = self.windows[i]
             if window not in masks:
-                allowed = causal if window is None else causal & (key_pos.view(1, 1, W) > positions.unsqueeze(-1) - window)
+                allowed = causal if window is None else causal & (key_pos.unsqueeze(1) > query_pos.unsqueeze(-1) - window)
                 # additive mask (0 / very negative): works with every SDPA backend and never yields NaN, since
                 # every query attends at least to its own position
                 masks[window] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
@@ -147,10 +179,9 @@ class Host:
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache.write(i, k, v, positions)
-            keys, values = cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[window], scale=attn.scaling,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            keys, values = kv(i, k, v)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[window].to(q.dtype),
+                                               scale=attn.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in taps:
