@@ -69,3 +69,26 @@ class Drafter:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (B',) of the per-batch state, in that order."""
+
+
+@dataclass
+class TrainBatch:
+    """One training step's inputs, host outputs computed online (no feature cache). T tokens, B sequences.
+
+    host_logits[b, t] is the host's next-token distribution after input_ids[b, :t+1] (it targets token t+1);
+    loss_mask[b, t] = 1 where token t is an assistant (response) token, the only tokens drafted/anchored on.
+    """
+
+    input_ids: torch.Tensor  # (B, T) long
+    loss_mask: torch.Tensor  # (B, T) long/bool
+    document_ids: torch.Tensor  # (B, T) long: packed documents never see each other
+    features: torch.Tensor | None  # (B, T, F) host taps of the drafter's feature_layers, or None
+    host_logits: torch.Tensor  # (B, T, V) float
+    generator: torch.Generator | None = None  # for anchor sampling, so resumed runs repeat exactly
+
+
+@dataclass
+class TrainOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    metrics: dict  # str -> float: loss parts (ce, tv, conf, ...), for logging
+    acceptance: torch.Tensor  # (K,) teacher-forced conditional acceptance estimate per position, in [0, 1]
