@@ -1,0 +1,262 @@
+"""Typed configuration: dataclasses are the CLI flags and the YAML keys, one definition per setting.
+
+`parse((TrainConfig,), argv)` turns every field of the given dataclasses into a flag (`max_steps` ->
+`--max-steps`, `--max_steps` also accepted; help from `field(metadata={"help": ...})`) and reads `--config
+run.yaml`, a mapping whose keys are the same field names. Precedence: dataclass defaults < YAML < flags.
+Unknown keys are errors that name the key and list the valid ones; values are checked against the field types
+(int, float, bool, str, Optional[...], list[...], dict[str, ...], Literal[...] choices).
+
+why not transformers.HfArgumentParser: it passes YAML values into the dataclass unchecked (a quoted "1e-3" stays a
+string until the optimiser fails), its unknown-key error does not list the valid keys, and flags over YAML needs
+a second parse anyway. One coercion function shared by flags and YAML keeps both paths identical.
+
+Field metadata understood here: "help" (text), "const" (the value a flag takes when given without an argument,
+e.g. a bare `--resume`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence, Union
+
+import yaml
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that does not fit the dataclass fields."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    # why get_type_hints: with `from __future__ import annotations` field.type is a string
+    return typing.get_type_hints(cls)
+
+
+def _optional_inner(tp) -> Any | None:
+    """X for Optional[X] / X | None, else None."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _type_name(tp) -> str:
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return f"{_type_name(inner)} or null"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of str to {_type_name(typing.get_args(tp)[1])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp, key: str) -> Any:
+    """Check/convert `value` (from YAML, or a string from the command line) to type `tp`; ConfigError if it does
+    not fit. Strings are converted for int/float/bool/None; other mismatches are errors, never silent casts."""
+    def fail():
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+    inner = _optional_inner(tp)
+    if inner is not None:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return coerce(value, inner, key)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:
+            if value == choice or (isinstance(value, str) and not isinstance(choice, str) and value == str(choice)):
+                return choice
+        raise ConfigError(f"{key}: {value!r} is not a valid choice; choose one of {', '.join(map(repr, choices))}")
+    if origin is list:
+        if isinstance(value, str):  # a single flag value or a comma-separated one
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            fail()
+        return [coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            fail()
+        return {str(k): coerce(v, typing.get_args(tp)[1], f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
+            return value.lower() in ("true", "yes", "1")
+        fail()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                fail()
+        fail()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                fail()
+        fail()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        fail()
+    if tp is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        fail()
+    raise ConfigError(f"{key}: unsupported field type {tp!r} in the config dataclass")
+
+
+def _fields(dataclass_types: Sequence[type]) -> dict[str, tuple[type, dataclasses.Field, Any]]:
+    """name -> (owning dataclass, field, resolved type); names must be unique across the dataclasses."""
+    out: dict[str, tuple[type, dataclasses.Field, Any]] = {}
+    for cls in dataclass_types:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            if f.name in out:
+                raise TypeError(f"field {f.name!r} is defined by both {out[f.name][0].__name__} and {cls.__name__}")
+            out[f.name] = (cls, f, hints[f.name])
+    return out
+
+
+def _check_keys(keys, valid: Sequence[str], source: str) -> None:
+    unknown = [k for k in keys if k not in valid]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown key {key!r} in {source}{hint}; valid keys: {', '.join(sorted(valid))}")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return _MISSING
+
+
+def build_parser(dataclass_types: Sequence[type], *, prog: str | None = None,
+                 description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per field plus `--config`; values stay raw strings (see `parse`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="YAML file whose keys are the field names below; flags override it")
+    for name, (cls, f, tp) in _fields(dataclass_types).items():
+        default = _default(f)
+        help_text = f.metadata.get("help", "")
+        help_text += f" [{_type_name(tp)}" + ("" if default is _MISSING else f"; default {default!r}") + "]"
+        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        base = _optional_inner(tp) or tp
+        if typing.get_origin(base) is list:
+            kwargs["nargs"] = "*"
+        elif base is bool or "const" in f.metadata:
+            # `--flag` alone means True (or the declared const); `--flag false` is also accepted
+            kwargs.update(nargs="?", const=f.metadata.get("const", "true"))
+        if typing.get_origin(base) is dict:
+            kwargs["nargs"] = "*"
+            kwargs["metavar"] = "KEY=VALUE"
+        if typing.get_origin(base) is Literal:
+            kwargs["metavar"] = "{" + ",".join(str(c) for c in typing.get_args(base)) + "}"
+        parser.add_argument(*flags, **kwargs)
+        if base is bool:
+            parser.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_const", const="false",
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+def _flag_value(raw: Any, tp) -> Any:
+    """Flag strings -> the YAML-like value `coerce` expects (lists from nargs, KEY=VALUE pairs for dicts)."""
+    base = _optional_inner(tp) or tp
+    if typing.get_origin(base) is dict and isinstance(raw, list):
+        pairs = {}
+        for item in raw:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"expected KEY=VALUE, got {item!r}")
+            pairs[key] = yaml.safe_load(value)  # why: `num_layers=3` gives an int, `head=markov` a str
+        return pairs
+    if typing.get_origin(base) is list and isinstance(raw, list) and len(raw) == 1 and "," in raw[0]:
+        return raw[0]  # a comma-separated single value
+    return raw
+
+
+def load_yaml(path: str | Path) -> dict:
+    """A YAML mapping (empty file = {}); a non-mapping document is an error."""
+    with open(path) as fh:
+        data = yaml.safe_load(fh)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of field names to values, got {type(data).__name__}")
+    return data
+
+
+def _build(dataclass_types: Sequence[type], values: dict[str, Any]) -> tuple:
+    fields = _fields(dataclass_types)
+    missing = [n for n, (_, f, _) in fields.items() if n not in values and _default(f) is _MISSING]
+    if missing:
+        raise ConfigError(f"missing required setting(s): {', '.join(missing)}")
+    instances = []
+    for cls in dataclass_types:
+        kwargs = {n: values[n] for n, (owner, _, _) in fields.items() if owner is cls and n in values}
+        instances.append(cls(**kwargs))
+    return tuple(instances)
+
+
+def parse(dataclass_types: Sequence[type], argv: Sequence[str] | None = None, *, prog: str | None = None,
+          description: str | None = None) -> tuple:
+    """Instances of `dataclass_types` from defaults < `--config` YAML < flags. ConfigError names bad keys/values."""
+    parser = build_parser(dataclass_types, prog=prog, description=description)
+    args = vars(parser.parse_args(argv))
+    fields = _fields(dataclass_types)
+    values: dict[str, Any] = {}
+    config_path = args.pop("config", None)
+    if config_path is not None:
+        data = load_yaml(config_path)
+        _check_keys(data, list(fields), f"config file {config_path}")
+        values.update({k: coerce(v, fields[k][2], k) for k, v in data.items()})
+    for name, raw in args.items():
+        values[name] = coerce(_flag_value(raw, fields[name][2]), fields[name][2], f"--{name.replace('_', '-')}")
+    return _build(dataclass_types, values)
+
+
+def to_dict(instance) -> dict:
+    """A dataclass instance as plain JSON/YAML-ready values (Paths as strings)."""
+    def plain(v):
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return {f.name: plain(getattr(instance, f.name)) for f in dataclasses.fields(instance) if f.init}
+
+
+def from_dict(cls: type, data: dict, *, source: str = "mapping"):
+    """`cls(**data)` with the same unknown-key and type checks as `parse`."""
+    fields = _fields([cls])
+    _check_keys(data, list(fields), source)
+    return _build([cls], {k: coerce(v, fields[k][2], k) for k, v in data.items()})[0]
