@@ -1,0 +1,238 @@
+"""Decoder blocks shared by the trainable drafters: RMSNorm, SwiGLU MLP and the KV-injection attention layer.
+
+Shapes: B requests, S block (query) slots, C context positions, T tokens of a training sequence, A anchors per
+sequence, H hidden size (the host's), Hq query heads, Hkv key/value heads, D head dim, W cached positions.
+
+KV injection (DSPARK.md §2.2): queries come from the block only; keys/values are [K(H_ctx); K(H_block)] along the
+sequence axis. Which keys a query may see is entirely the caller's additive mask, so one layer serves
+  - DSpark/DFlash inference: the context K/V of every layer live in a preallocated `KVCache` written by position
+    (rollback = moving a length, rows selectable); the block attends bidirectionally to itself and to context
+    positions < anchor (`inference_mask`);
+  - DSpark/DFlash training: many blocks of one sequence in one pass, block j seeing context < anchor_j of its own
+    document and its own block (`block_training_mask`), no Python loop over blocks;
+  - MTP: a plain causal decoder layer (no context at training, its own earlier inputs as context at inference).
+RoPE uses absolute positions (the host's own rotary module, so theta and any scaling match the host).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from dspark.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The host's decoder-layer shape, which every drafter layer copies."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    qk_norm: bool  # Qwen3-style RMSNorm of q and k per head
+
+    @classmethod
+    def of(cls, host) -> "LayerShape":
+        config = host.config
+        return cls(hidden_size=host.hidden_size, num_heads=host.num_heads, num_kv_heads=host.num_kv_heads,
+                   head_dim=host.head_dim, intermediate_size=config.intermediate_size,
+                   rms_norm_eps=config.rms_norm_eps, hidden_act=config.hidden_act,
+                   qk_norm=config.model_type == "qwen3")
+
+
+@dataclass
+class SharedHost:
+    """Frozen host modules a drafter borrows. Held in a plain dataclass, never registered as submodules, so they
+    stay out of the drafter's parameters (hence the optimizer), state_dict and checkpoints."""
+
+    embed_tokens: nn.Module  # token ids -> (..., H)
+    lm_head: nn.Module  # (..., H) -> (..., V)
+    rotary: nn.Module  # (x, positions (B, T)) -> cos, sin (B, T, D)
+
+    @classmethod
+    def of(cls, host) -> "SharedHost":
+        return cls(embed_tokens=host.embed_tokens, lm_head=host.lm_head, rotary=host.rotary)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen LM head on final-normed drafter hidden (..., H) -> float32 logits (..., V)."""
+        return self.lm_head(h).float()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 like the Llama/Qwen hosts (stable under bf16)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """The host's gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, shape: LayerShape) -> None:
+        super().__init__()
+        H, I = shape.hidden_size, shape.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        self.act = ACT2FN[shape.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, D) by cos/sin (B, T, D) of its absolute positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean (B, S, W) -> additive (B, 1, S, W): 0 where allowed, the dtype's minimum elsewhere. why additive:
+    every SDPA backend takes it, and a finite minimum never yields NaN (every query sees at least its own slot)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+class InjectionLayer(nn.Module):
+    """A decoder layer of the host's shape whose attention keys/values are [K(context); K(block)]."""
+
+    def __init__(self, shape: LayerShape, *, norm_context: bool = False) -> None:
+        super().__init__()
+        H, D = shape.hidden_size, shape.head_dim
+        self.shape = shape
+        # why: DFlash's context H_ctx is already normed by the drafter's context norm and is shared by all layers;
+        # a plain decoder layer (MTP) instead sees its own earlier inputs, which go through its input norm
+        self.norm_context = norm_context
+        self.input_layernorm = RMSNorm(H, shape.rms_norm_eps)
+        self.q_proj = nn.Linear(H, shape.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, shape.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, shape.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * D, H, bias=False)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(D, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(D, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def _kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = h.shape
+        k = self.k_proj(h).view(B, T, self.shape.num_kv_heads, self.shape.head_dim)
+        if self.shape.qk_norm:
+            k = self.k_norm(k)
+        v = self.v_proj(h).view(B, T, self.shape.num_kv_heads, self.shape.head_dim).transpose(1, 2)
+        return rope(k.transpose(1, 2), cos, sin), v  # (B, Hkv, T, D) each
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys and values (B, Hkv, C, D) of context ctx (B, C, H) at the positions cos/sin (B, C, D) encode."""
+        return self._kv(self.input_layernorm(ctx) if self.norm_context else ctx, cos, sin)
+
+    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
+                context: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor) -> torch.Tensor:
+        """Block x (B, S, H) -> (B, S, H). context: (k, v) (B, Hkv, C, D) or None; mask additive (B, 1, S, C+S)."""
+        B, S, _ = x.shape
+        shape = self.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, S, shape.num_heads, shape.head_dim)
+        if shape.qk_norm:
+            q = self.q_norm(q)
+        q = rope(q.transpose(1, 2), cos, sin)  # (B, Hq, S, D)
+        k, v = self._kv(h, cos, sin)  # (B, Hkv, S, D)
+        if context is not None:
+            k = torch.cat([context[0], k], dim=2)  # (B, Hkv, C+S, D)
+            v = torch.cat([context[1], v], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=shape.head_dim ** -0.5,
+                                           enable_gqa=shape.num_heads != shape.num_kv_heads)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class InjectionStack(nn.Module):
+    """N injection layers and a final norm: the drafter backbone. One call = one backbone run."""
+
+    def __init__(self, shape: LayerShape, num_layers: int, *, norm_context: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(InjectionLayer(shape, norm_context=norm_context) for _ in range(num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Per-layer (k, v) (B, Hkv, C, D) of context ctx (B, C, H)."""
+        return [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def write_context(self, cache: KVCache, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor) -> None:
+        """Project ctx (B, T, H) into every layer's context K/V and store them at `positions` (B, T)."""
+        for i, (k, v) in enumerate(self.context_kv(ctx, cos, sin)):
+            cache.write(i, k, v, positions)
+
+    def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
+                context: list[tuple[torch.Tensor, torch.Tensor]] | None, mask: torch.Tensor) -> torch.Tensor:
+        """Block x (B, S, H) -> final-normed hidden (B, S, H). context: per-layer (k, v) or None."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos=cos, sin=sin, context=None if context is None else context[i], mask=mask)
+        return self.norm(x)
+
+
+def cached_context(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (k, v) (B, Hkv, W, D) over the whole cache. why the whole cache: a fixed shape (capturable);
+    positions at or past each row's length are masked, so stale or padding entries never leak."""
+    return [(cache.k[i], cache.v[i]) for i in range(cache.k.shape[0])]
+
+
+def inference_mask(context_len: torch.Tensor, *, width: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, S, W+S) for S = `block` slots: cached positions < context_len (B,) and the whole block."""
+    B = context_len.shape[0]
+    key_pos = torch.arange(width, device=context_len.device)  # (W,)
+    ctx_ok = (key_pos < context_len.unsqueeze(1)).unsqueeze(1).expand(B, block, width)  # (B, S, W)
+    blk_ok = torch.ones(B, block, block, dtype=torch.bool, device=context_len.device)  # (B, S, S)
+    return additive_mask(torch.cat([ctx_ok, blk_ok], dim=-1), dtype)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of each token inside its document (packed documents restart at 0), as Host.forward."""
+    B, T = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    index = torch.arange(T, device=document_ids.device).expand(B, T)
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return index - first  # (B, T)
+
+
+def block_training_mask(anchors: torch.Tensor, *, gamma: int, document_ids: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, A*gamma, T + A*gamma) for A blocks of gamma slots laid out anchor-major.
+
+    Block j (anchored at anchors[b, j]) sees context positions t < anchor_j of the anchor's own document and the
+    gamma slots of its own block (bidirectionally), nothing of the other blocks.
+    """
+    B, A = anchors.shape
+    T = document_ids.shape[1]
+    t = torch.arange(T, device=anchors.device)
+    anchor_doc = document_ids.gather(1, anchors)  # (B, A)
+    ctx_ok = (t.view(1, 1, T) < anchors.unsqueeze(2)) & (document_ids.unsqueeze(1) == anchor_doc.unsqueeze(2))
+    ctx_ok = ctx_ok.repeat_interleave(gamma, dim=1)  # (B, A*gamma, T)
+    block_of = torch.arange(A, device=anchors.device).repeat_interleave(gamma)  # (A*gamma,)
+    blk_ok = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).expand(B, A * gamma, A * gamma)
+    return additive_mask(torch.cat([ctx_ok, blk_ok], dim=-1), dtype)
+
+
+def causal_mask(document_ids: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, T, T): each position sees the earlier positions of its own document and itself."""
+    T = document_ids.shape[1]
+    t = torch.arange(T, device=document_ids.device)
+    allowed = (t.view(1, T) <= t.view(T, 1)) & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
+    return additive_mask(allowed, dtype)
