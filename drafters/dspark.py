@@ -1,0 +1,314 @@
+"""DSpark drafter (DSPARK.md §2.1-2.3, §3): a parallel KV-injection backbone plus a light sequential head.
+DFlash is the same drafter with the head and the confidence off: `dflash_config()`.
+
+Shapes: B requests, K draft positions this round (K <= gamma), gamma trained block size, V vocabulary,
+H hidden size (the host's), F = m*H concatenated host features, r head rank, T training tokens, A anchors.
+Notation: x0 anchor, x_k drafts, U_k backbone logits, B_k head bias, q_k = softmax(U_k + B_k) draft distribution,
+c_k confidence, p_k host distribution.
+
+One round: the block [x0, mask, ..., mask] (gamma slots, at absolute positions anchor..anchor+gamma-1) runs through
+the backbone ONCE, attending to the context K/V of positions < anchor; then a cheap loop over k samples
+x_k ~ q_k(· | x0, x<k) left to right through the head, B_k depending on x_{k-1} (and, for the RNN head, a state).
+
+Design choices:
+  - The mask slots use one learned embedding (initialised to the mean host token embedding): no host has a
+    spare token id to reserve, and the slot needs no meaning beyond "unknown token here".
+  - The backbone always runs the trained block of gamma slots (the block attends bidirectionally, so its hidden
+    states depend on the number of slots) and the head drafts the first K; K > gamma is refused, since positions
+    past gamma were never trained.
+  - The context cache is a `dspark.kv_cache.KVCache` with one entry per backbone layer: observe() writes
+    K(H_ctx), V(H_ctx) of newly committed positions by absolute position and sets each row's length, so rejected
+    positions are simply overwritten next round.
+  - Confidence for head "none" reads [h_k] only (there is no W1 table to embed x_{k-1}); DFlash turns it off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
+from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, SharedHost, block_training_mask, cached_context,
+                             document_positions, inference_mask)
+from drafters.checkpoint import Checkpointable, check_host, host_fingerprint
+from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
+from dspark.kv_cache import KVCache
+from dspark.sampling import STREAM_DRAFT, process, sample
+
+HEADS = ("markov", "gated", "rnn", "none")
+
+
+def spread_layers(num_layers: int, m: int) -> tuple[int, ...]:
+    """m host layers spread evenly from layer 1 to the third-from-last (DSPARK.md §2.1: [1, 9, 17, 25, 33] of 36);
+    fewer, distinct ones on hosts too shallow for m."""
+    first = min(1, num_layers - 1)
+    last = max(num_layers - 3, first)
+    if m == 1:
+        return (first,)
+    return tuple(sorted({round(first + i * (last - first) / (m - 1)) for i in range(m)}))
+
+
+@dataclass
+class DSparkConfig:
+    """DSpark / DFlash drafter settings. The backbone layers copy the host's layer shape."""
+
+    feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(L, m)
+    num_feature_layers: int = 5  # m, used when feature_layers is None
+    num_layers: int = 3  # N backbone layers
+    gamma: int = 7  # block size: slots trained per block; inference drafts K <= gamma of them
+    head: str = "markov"  # sequential head: markov | gated | rnn | none (none = DFlash)
+    rank: int = 256  # r of W1 (V x r) and W2 (r x V)
+    confidence: bool = True  # train and emit c_k
+    max_anchors: int = 512  # anchors per training sequence (fewer when fewer response tokens)
+    decay: float = 4.0  # position weights w_k = exp(-k / decay)
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    host_vocab_size: int | None = None  # host fingerprint, filled from the host when built
+    host_hidden_size: int | None = None
+    host_num_layers: int | None = None
+    host_model_type: str | None = None
+    host_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        for name in ("num_feature_layers", "num_layers", "gamma", "rank", "max_anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.feature_layers is not None:
+            self.feature_layers = tuple(self.feature_layers)
+
+    def resolved(self, host) -> "DSparkConfig":
+        """This config with the host-dependent fields filled in from `host`."""
+        return replace(self, feature_layers=self.feature_layers or spread_layers(host.num_layers,
+                                                                                 self.num_feature_layers),
+                       host_vocab_size=self.host_vocab_size or host.vocab_size,
+                       host_hidden_size=self.host_hidden_size or host.hidden_size,
+                       host_num_layers=self.host_num_layers or host.num_layers,
+                       host_model_type=self.host_model_type or host.config.model_type,
+                       host_name=self.host_name or host.name)
+
+
+def dflash_config(**overrides) -> DSparkConfig:
+    """DFlash (DSPARK.md §2.2): the DSpark drafter with no sequential head, no confidence, and L = L_ce."""
+    return DSparkConfig(**{"head": "none", "confidence": False, "ce_weight": 1.0, "tv_weight": 0.0,
+                           "conf_weight": 0.0, **overrides})
+
+
+@dataclass
+class HeadStep:
+    bias: torch.Tensor | None  # (..., V) B_k; None for head "none"
+    conf_logit: torch.Tensor | None  # (...,) logit of c_k; None without confidence
+    state: torch.Tensor | None  # (..., r) RNN state s_k; None for the other heads
+
+
+@dataclass
+class BlockLogits:
+    """Teacher-forced outputs of A blocks of gamma slots per sequence."""
+
+    q_logits: torch.Tensor  # (B, A, gamma, V) U_k + B_k
+    conf_logits: torch.Tensor | None  # (B, A, gamma)
+
+
+class DSparkDrafter(Checkpointable, nn.Module, Drafter):
+    """The DSpark (or, by configuration, DFlash) drafter over a frozen host."""
+
+    kind = "dspark"
+    config_class = DSparkConfig
+
+    def __init__(self, host, config: DSparkConfig | None = None) -> None:
+        super().__init__()
+        config = (config or DSparkConfig()).resolved(host)
+        check_host(host_fingerprint(config), host, source="DSpark config")
+        host.check_taps(config.feature_layers)
+        self.config = config
+        self.name = "dflash" if config.head == "none" else "dspark"
+        self.feature_layers = config.feature_layers
+        self.shared = SharedHost.of(host)
+        shape = LayerShape.of(host)
+        H, V, r, m = host.hidden_size, host.vocab_size, config.rank, len(config.feature_layers)
+        self.fc = nn.Linear(m * H, H, bias=False)
+        self.context_norm = RMSNorm(H, shape.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(host.embed_tokens.weight.detach().float().mean(0).clone())  # (H,)
+        self.backbone = InjectionStack(shape, config.num_layers)
+        if config.head != "none":
+            self.W1 = nn.Embedding(V, r)
+            self.W2 = nn.Linear(r, V, bias=False)
+            nn.init.normal_(self.W1.weight, std=0.02)
+            nn.init.normal_(self.W2.weight, std=0.02)
+        if config.head == "gated":
+            self.gate = nn.Linear(H + r, r)  # W_g
+        if config.head == "rnn":
+            self.rnn = nn.Linear(2 * r + H, 3 * r)
+        if config.confidence:
+            self.confidence_head = nn.Linear(H + (r if config.head != "none" else 0), 1)
+        self.to(device=host.device, dtype=host.dtype)
+        self.cache: KVCache | None = None
+
+    # ---- the sequential head (DSPARK.md §2.3) -------------------------------------------------------------------
+
+    def head_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None) -> HeadStep:
+        """One position k: B_k and c_k from x_{k-1} (...,) and the backbone hidden h_k (..., H)."""
+        cfg = self.config
+        e = None if cfg.head == "none" else self.W1(prev)  # (..., r) W1[x_{k-1}]
+        bias = None
+        if cfg.head == "markov":
+            bias = self.W2(e)  # (..., V)
+        elif cfg.head == "gated":
+            g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))  # (..., r)
+            bias = self.W2(g * e)
+        elif cfg.head == "rnn":
+            if state is None:
+                state = h.new_zeros(h.shape[:-1] + (cfg.rank,))  # s_0 = 0
+            g, c, o = self.rnn(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)  # (..., r) each
+            state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
+            bias = self.W2(torch.tanh(o))
+        conf = None
+        if cfg.confidence:
+            conf = self.confidence_head(h if e is None else torch.cat([h, e], dim=-1)).squeeze(-1)  # (...,)
+        return HeadStep(bias=None if bias is None else bias.float(), conf_logit=conf, state=state)
+
+    def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """[embed(x0), mask, ..., mask] for anchors (...,): (..., gamma, H)."""
+        x0 = self.shared.embed_tokens(anchor_tokens).unsqueeze(-2)  # (..., 1, H)
+        masks = self.mask_embedding.expand(x0.shape[:-2] + (self.config.gamma - 1, x0.shape[-1]))
+        return torch.cat([x0, masks.to(x0.dtype)], dim=-2)
+
+    # ---- decoding -------------------------------------------------------------------------------------------
+
+    def begin(self, *, host, batch_size: int, max_len: int) -> None:
+        self.cache = KVCache(num_layers=self.config.num_layers, batch_size=batch_size,
+                             num_kv_heads=host.num_kv_heads, max_len=max_len, head_dim=host.head_dim,
+                             dtype=host.dtype, device=host.device)
+
+    @torch.no_grad()
+    def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
+                state: DraftState) -> None:
+        T = features.shape[1]
+        positions = start.unsqueeze(1) + torch.arange(T, device=start.device)  # (B, T)
+        ctx = self.context_norm(self.fc(features))  # (B, T, H) H_ctx
+        cos, sin = self.shared.rotary(ctx, positions)
+        # padding rows past n_valid are written too: they sit at or past the new length, masked until overwritten
+        self.backbone.write_context(self.cache, ctx, cos, sin, positions)
+        self.cache.rollback(start + n_valid)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, K: int) -> Proposal:
+        cfg, gamma = self.config, self.config.gamma
+        if K > gamma:
+            raise ValueError(f"draft_length K={K} exceeds the drafter's trained block size gamma={gamma}")
+        anchor = state.anchor  # (B,)
+        B = anchor.shape[0]
+        x = self._block_input(anchor)  # (B, gamma, H)
+        positions = self.cache.lengths.unsqueeze(1) + torch.arange(gamma, device=anchor.device)  # (B, gamma)
+        cos, sin = self.shared.rotary(x, positions)
+        mask = inference_mask(self.cache.lengths, width=self.cache.max_len, block=gamma, dtype=x.dtype)
+        h = self.backbone(x, cos=cos, sin=sin, context=cached_context(self.cache), mask=mask)  # (B, gamma, H)
+        U = self.shared.logits(h[:, :K])  # (B, K, V)
+
+        greedy = state.sampling.greedy
+        tokens = anchor.new_zeros(B, K)  # (B, K)
+        q = None if greedy else U.new_zeros(U.shape)  # (B, K, V)
+        c = U.new_zeros(B, K) if cfg.confidence else None  # (B, K)
+        prev, s = anchor, None
+        # why a Python loop: x_k depends on the sampled x_{k-1}; each step is only the head (K small)
+        for k in range(K):
+            step = self.head_step(prev, h[:, k], s)
+            logits = U[:, k] if step.bias is None else U[:, k] + step.bias  # (B, V)
+            if greedy:
+                prev = logits.argmax(-1)
+            else:
+                q[:, k] = process(logits, state.sampling)
+                prev = sample(q[:, k], state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)  # fresh noise per round
+            tokens[:, k] = prev
+            if c is not None:
+                c[:, k] = torch.sigmoid(step.conf_logit.float())
+            s = step.state
+        return Proposal(tokens=tokens, q=q, confidence=c)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+
+    # ---- training (DSPARK.md §3) -----------------------------------------------------------------------------
+
+    def block_logits(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
+                     anchors: torch.Tensor) -> BlockLogits:
+        """Teacher-forced q logits and confidence logits of every block anchored at anchors (B, A), in one
+        backbone pass over all blocks of all sequences (the block attention mask keeps them apart)."""
+        gamma = self.config.gamma
+        B, A = anchors.shape
+        T = input_ids.shape[1]
+        doc_pos = document_positions(document_ids)  # (B, T)
+        ctx = self.context_norm(self.fc(features))  # (B, T, H)
+        ctx_cos, ctx_sin = self.shared.rotary(ctx, doc_pos)
+        x = self._block_input(input_ids.gather(1, anchors)).flatten(1, 2)  # (B, A*gamma, H)
+        k = torch.arange(gamma, device=anchors.device)
+        slot_pos = (doc_pos.gather(1, anchors).unsqueeze(2) + k).flatten(1)  # (B, A*gamma)
+        cos, sin = self.shared.rotary(x, slot_pos)
+        mask = block_training_mask(anchors, gamma=gamma, document_ids=document_ids, dtype=x.dtype)
+        h = self.backbone(x, cos=cos, sin=sin, context=self.backbone.context_kv(ctx, ctx_cos, ctx_sin), mask=mask)
+        h = h.view(B, A, gamma, -1)  # (B, A, gamma, H)
+        U = self.shared.logits(h)  # (B, A, gamma, V)
+        # teacher forcing: x_{k-1} of slot k is the true token at anchor + k (x0 = the anchor for k = 0)
+        prev = input_ids.gather(1, (anchors.unsqueeze(2) + k).clamp(max=T - 1).flatten(1)).view(B, A, gamma)
+        biases, confs, s = [], [], None
+        for j in range(gamma):  # why a loop: the RNN state is sequential; γ is small and the other heads cheap
+            step = self.head_step(prev[:, :, j], h[:, :, j], s)
+            biases.append(step.bias)
+            confs.append(step.conf_logit)
+            s = step.state
+        q_logits = U if biases[0] is None else U + torch.stack(biases, dim=2)
+        conf = torch.stack(confs, dim=2) if self.config.confidence else None  # (B, A, gamma)
+        return BlockLogits(q_logits=q_logits, conf_logits=conf)
+
+    def training_loss(self, batch: TrainBatch) -> TrainOutput:
+        """L = ce_weight·L_ce + tv_weight·L_tv + conf_weight·L_conf over randomly anchored blocks."""
+        cfg, gamma = self.config, self.config.gamma
+        anchors, anchor_ok = sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=cfg.max_anchors,
+                                            generator=batch.generator)  # (B, A)
+        out = self.block_logits(input_ids=batch.input_ids, features=batch.features,
+                                document_ids=batch.document_ids, anchors=anchors)
+        B, A = anchors.shape
+        T, V = batch.input_ids.shape[1], batch.host_logits.shape[-1]
+        slot = anchors.unsqueeze(2) + torch.arange(gamma, device=anchors.device)  # (B, A, gamma) input position
+        target = slot + 1  # position of x*_k, predicted from the host's logits at `slot`
+        in_range = target < T
+        slot, target = slot.clamp(max=T - 1), target.clamp(max=T - 1)
+        same_doc = batch.document_ids.gather(1, target.flatten(1)).view(B, A, gamma) == \
+            batch.document_ids.gather(1, anchors).unsqueeze(2)
+        response = batch.loss_mask.gather(1, target.flatten(1)).view(B, A, gamma).bool()
+        # a block stops at the end of its response / document: later slots are never drafted there
+        valid = (in_range & same_doc & response).long().cumprod(2).bool() & anchor_ok.unsqueeze(2)
+        targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, gamma)  # x*_k
+        p_logits = batch.host_logits.gather(1, slot.flatten(1).unsqueeze(2).expand(B, A * gamma, V))
+        terms = distill_terms(out.q_logits, p_logits.view(B, A, gamma, V), targets)
+
+        w = position_weights(gamma, decay=cfg.decay, device=anchors.device)
+        ce, tv = weighted_mean(terms.ce, w, valid), weighted_mean(terms.tv, w, valid)
+        loss = cfg.ce_weight * ce + cfg.tv_weight * tv
+        parts = {"ce": ce, "tv": tv}
+        if cfg.confidence:
+            parts["conf"] = weighted_mean(confidence_bce(out.conf_logits, terms.accept), w, valid)
+            loss = loss + cfg.conf_weight * parts["conf"]
+        acceptance = per_position_mean(terms.accept, valid)  # (gamma,)
+        parts.update(loss=loss, acceptance=acceptance.mean(), anchors=anchor_ok.sum().float())
+        values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one sync for all metrics
+        return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance)
+
+
+def sample_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor, *, max_anchors: int,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to max_anchors anchor positions per sequence, without replacement, among positions whose next token is a
+    response token of the same document. Returns anchors (B, A) ascending and anchor_ok (B, A) (False = padding
+    for sequences with fewer candidates)."""
+    B, T = loss_mask.shape
+    candidate = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)  # (B, T)
+    candidate[:, :-1] = loss_mask[:, 1:].bool() & (document_ids[:, 1:] == document_ids[:, :-1])
+    A = max(1, min(max_anchors, int(candidate.sum(1).max())))
+    device = generator.device if generator is not None else loss_mask.device
+    scores = torch.rand(B, T, generator=generator, device=device).to(loss_mask.device)  # (B, T) in [0, 1)
+    top = scores.masked_fill(~candidate, -1.0).topk(A, dim=1)  # random subset of the candidates
+    anchors, order = top.indices.sort(dim=1)
+    return anchors, top.values.gather(1, order) >= 0
