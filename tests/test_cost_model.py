@@ -1,0 +1,130 @@
+"""SPS(B) tables: interpolation, persistence, validation, and the profiler against a fake host."""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from verifiers.cost_model import CostModel, device_description, export_engine_json, profile
+
+
+def test_interpolation_clamp_and_extrapolation():
+    cost = CostModel.from_points({2: 100.0, 10: 20.0})
+    assert cost(6) == pytest.approx(60.0)
+    assert cost(2) == pytest.approx(100.0) and cost(10) == pytest.approx(20.0)
+    assert cost(1) == pytest.approx(100.0)  # clamped below the first point
+    assert cost(20) == pytest.approx(10.0)  # step time proportional to B past the last point
+    B = torch.arange(1, 25)
+    assert torch.allclose(cost(B), torch.tensor([cost(int(b)) for b in B], dtype=torch.float64))
+    assert cost(B).dtype == torch.float64 and cost(B).shape == B.shape
+    single = CostModel.from_points({4: 50.0})
+    assert single(1) == 50.0 and single(8) == pytest.approx(25.0)
+    flat = CostModel.flat(7.0)
+    assert flat(1) == flat(5000) == 7.0
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        CostModel(tokens=[4, 2], sps=[1.0, 2.0])
+    with pytest.raises(ValueError, match="as many SPS"):
+        CostModel(tokens=[1, 2], sps=[1.0])
+    with pytest.raises(ValueError, match="> 0"):
+        CostModel(tokens=[1, 2], sps=[1.0, 0.0])
+    with pytest.raises(ValueError, match="mode"):
+        CostModel(tokens=[1], sps=[1.0], mode="compiled")
+
+
+def test_save_load_roundtrip_and_csv(tmp_path):
+    cost = CostModel.from_points({1: 90.0, 8: 80.0, 64: 30.0}, host="tiny", device="cpu", dtype="torch.float32",
+                                 mode="graph", date="2026-01-01T00:00:00+00:00", torch_version="2.13.0",
+                                 batch_sizes=[1, 8, 64], tokens_per_request=[1],
+                                 points=[{"batch_size": 1, "tokens_per_request": 1, "tokens": 1,
+                                          "step_seconds": 1 / 90}])
+    path = tmp_path / "cost.json"
+    cost.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "dspark.cost_model" and doc["version"] == 1 and "_grids" not in doc
+    back = CostModel.load(path, expect_host="tiny", expect_device=torch.device("cpu"))
+    assert back == cost and back(30) == cost(30)
+    cost.to_csv(tmp_path / "cost.csv")
+    rows = list(csv.reader(open(tmp_path / "cost.csv")))
+    assert rows[0] == ["tokens", "sps", "step_ms"] and len(rows) == 4 and float(rows[3][2]) == pytest.approx(1000 / 30)
+
+
+def test_load_mismatch_errors(tmp_path):
+    path = tmp_path / "cost.json"
+    CostModel.from_points({1: 10.0}, host="qwen3-4b", device="cuda (NVIDIA H200)").save(path)
+    with pytest.raises(ValueError, match="'qwen3-4b'.*'smollm2'"):
+        CostModel.load(path, expect_host="smollm2")
+    with pytest.raises(ValueError, match=r"'cuda \(NVIDIA H200\)'.*'cpu'"):
+        CostModel.load(path, expect_device=torch.device("cpu"))
+    assert CostModel.load(path, expect_device="cuda (NVIDIA H200)").host == "qwen3-4b"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "gpu_clock": 1}))
+    with pytest.raises(ValueError, match="unknown cost-table keys"):
+        CostModel.load(path)
+    path.write_text(json.dumps({**doc, "version": 2}))
+    with pytest.raises(ValueError, match="version 1"):
+        CostModel.load(path)
+
+
+@dataclass
+class FakeCache:
+    lengths: torch.Tensor
+    max_len: int
+
+
+class FakeHost:
+    """The Host API the profiler times; a step sleeps 1 ms per token, plus 3 ms when T > 1."""
+
+    name = "fake"
+    device = torch.device("cpu")
+    dtype = torch.float32
+    vocab_size = 32
+
+    def __init__(self):
+        self.calls = []
+
+    def new_cache(self, batch_size: int, max_len: int) -> FakeCache:
+        return FakeCache(lengths=torch.zeros(batch_size, dtype=torch.long), max_len=max_len)
+
+    def step(self, cache: FakeCache, tokens: torch.Tensor, n_valid: torch.Tensor):
+        B, T = tokens.shape
+        assert cache.lengths.shape == (B,) and n_valid.tolist() == [T] * B
+        assert int(tokens.max()) < self.vocab_size
+        self.calls.append((B, T))
+        time.sleep(0.001 * B * T + (0.003 if T > 1 else 0.0))
+
+
+def test_profile_with_fake_host():
+    host = FakeHost()
+    cost = profile(host, batch_sizes=[1, 2], tokens_per_request=[1, 2], repeats=2, warmup=1, max_len=8)
+    assert len(host.calls) == 4 * 3
+    assert cost.tokens == [1, 2, 4]
+    assert cost.host == "fake" and cost.device == device_description("cpu") == "cpu"
+    assert cost.dtype == "torch.float32" and cost.mode == "eager" and cost.torch_version == torch.__version__
+    assert cost.batch_sizes == [1, 2] and cost.tokens_per_request == [1, 2] and len(cost.points) == 4
+    point = {(p["batch_size"], p["tokens_per_request"]): p for p in cost.points}
+    # B = 2 arises from (R=1, T=2) and (R=2, T=1): the slower one (T=2 pays 3 ms more) enters the table
+    assert cost(2) == pytest.approx(1.0 / point[1, 2]["step_seconds"])
+    assert point[1, 2]["step_seconds"] > point[2, 1]["step_seconds"]
+    assert cost.sps[0] > cost.sps[-1]
+    with pytest.raises(ValueError, match="do not fit"):
+        profile(host, batch_sizes=[1], tokens_per_request=[16], max_len=8)
+
+
+def test_export_engine_json(tmp_path):
+    cost = CostModel.from_points({1: 100.0, 8: 50.0}, host="h", device="cpu")
+    export_engine_json(tmp_path / "e.json", cost=cost, sts_temperatures=[1.5, 2.0])
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert doc["format"] == "dspark.engine" and doc["version"] == 1 and doc["host"] == "h"
+    assert doc["cost"]["tokens"] == [1, 8] and doc["cost"]["step_ms"] == pytest.approx([10.0, 20.0])
+    assert doc["sts"]["positions"] == 2 and doc["sts"]["temperatures"] == [1.5, 2.0]
+    export_engine_json(tmp_path / "n.json", cost=cost, sts_temperatures=None)
+    assert json.loads((tmp_path / "n.json").read_text())["sts"] is None
+    with pytest.raises(ValueError, match="> 0"):
+        export_engine_json(tmp_path / "x.json", cost=cost, sts_temperatures=[0.0])

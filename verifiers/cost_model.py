@@ -1,0 +1,241 @@
+"""SPS(B): host verify steps per second at B tokens per forward, profiled once per host and device (DSPARK.md §4.3).
+
+Shapes: R requests, T tokens per request in one forward, B = total tokens in the forward (R * T when profiling,
+Σ_r (1 + ell_r) when scheduling).
+
+The table is a list of profiled points (B_i, SPS_i) with B_i strictly increasing. Between points SPS is linearly
+interpolated. Below the first point it is clamped to SPS(B_0) (a smaller forward is never assumed faster than the
+smallest one measured). Above the last point the step time is extrapolated proportionally to B,
+SPS(B) = SPS(B_last) * B_last / B (the compute-bound regime), so the scheduler never treats unmeasured large
+batches as free.
+
+Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
+    format, version            "dspark.cost_model", 1
+    host                       host name (`host.name`); loading for another host is an error
+    device                     device description, `device_description(host.device)`: "cpu" or
+                               "cuda (NVIDIA H200)"; loading on another device is an error
+    dtype                      host dtype, e.g. "torch.bfloat16"
+    mode                       "eager" or "graph" (how the verify step was run)
+    date                       ISO-8601 UTC time of profiling
+    torch_version              torch.__version__ at profiling time
+    batch_sizes                profiled numbers of requests R
+    tokens_per_request         profiled tokens per request T
+    tokens                     B grid (int, strictly increasing)
+    sps                        verify steps per second at each B (float > 0)
+    points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
+                               median over repeats; [] for hand-made tables
+When several (R, T) give the same B the slower one enters the table (conservative). `to_csv` writes the columns
+tokens, sps, step_ms.
+
+Engine JSON (`export_engine_json`, format "dspark.engine", version 1), for serving engines outside this package:
+    format, version            "dspark.engine", 1
+    host, device, dtype, mode, date, torch_version      as above
+    cost                       {"tokens": [int], "steps_per_second": [float], "step_ms": [float],
+                                "interpolation": "linear", "below_first": "clamp",
+                                "above_last": "step time proportional to tokens"}
+    sts                        null, or {"positions": K, "temperatures": [t_1..t_K],
+                                "rule": "c_k' = sigmoid(logit(c_k) / t_k); a_k = prod_{i<=k} c_i'"}
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+FORMAT = "dspark.cost_model"
+ENGINE_FORMAT = "dspark.engine"
+VERSION = 1
+MODES = ("eager", "graph")
+
+
+def device_description(device: torch.device | str) -> str:
+    """'cpu', or the device type plus the accelerator model, e.g. 'cuda (NVIDIA H200)'."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return device.type
+
+
+@dataclass
+class CostModel:
+    """A profiled SPS(B) table with the metadata that says where it is valid."""
+
+    tokens: list[int]  # B grid, strictly increasing, >= 1
+    sps: list[float]  # steps per second at each B, > 0
+    host: str = "hand-made"
+    device: str = "any"
+    dtype: str = ""
+    mode: str = "eager"
+    date: str = ""
+    torch_version: str = ""
+    batch_sizes: list[int] = field(default_factory=list)
+    tokens_per_request: list[int] = field(default_factory=list)
+    points: list[dict] = field(default_factory=list)
+    # why: a per-device copy of the grid, so calling the model on a CUDA tensor in the hot path does not copy
+    # (and synchronise) every round
+    _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = [int(b) for b in self.tokens]
+        self.sps = [float(s) for s in self.sps]
+        if not self.tokens or len(self.tokens) != len(self.sps):
+            raise ValueError(f"a cost table needs as many SPS values as token counts, at least one; got "
+                             f"{len(self.tokens)} token counts and {len(self.sps)} SPS values")
+        if self.tokens[0] < 1 or any(b1 <= b0 for b0, b1 in zip(self.tokens, self.tokens[1:])):
+            raise ValueError(f"cost table token counts must be >= 1 and strictly increasing, got {self.tokens}")
+        bad = [s for s in self.sps if not (s > 0 and s != float("inf"))]
+        if bad:
+            raise ValueError(f"steps per second must be finite and > 0, got {bad}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+    # ---- SPS(B) ----------------------------------------------------------------------------------------------
+    def __call__(self, B: torch.Tensor | int) -> torch.Tensor | float:
+        """SPS at B tokens: a float for an int, a float64 tensor of B's shape (on B's device) for a tensor."""
+        if isinstance(B, torch.Tensor):
+            return self._interpolate(B)
+        return float(self._interpolate(torch.tensor([B]))[0])
+
+    def _interpolate(self, B: torch.Tensor) -> torch.Tensor:
+        if B.device not in self._grids:
+            self._grids[B.device] = (torch.tensor(self.tokens, dtype=torch.float64, device=B.device),
+                                     torch.tensor(self.sps, dtype=torch.float64, device=B.device))
+        x, y = self._grids[B.device]  # (P,), (P,)
+        b = B.to(torch.float64)
+        above = y[-1] * x[-1] / b.clamp(min=1.0)  # proportional step time past the last point
+        if len(x) == 1:
+            return torch.where(b > x[-1], above, y[0].expand_as(b))
+        i = torch.searchsorted(x, b.contiguous(), right=True).clamp(1, len(x) - 1)  # segment [x[i-1], x[i]]
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        inside = y0 + (b - x0) / (x1 - x0) * (y1 - y0)
+        return torch.where(b < x[0], y[0], torch.where(b > x[-1], above, inside))
+
+    # ---- constructors ----------------------------------------------------------------------------------------
+    @classmethod
+    def flat(cls, sps: float = 100.0, *, up_to: int = 1 << 20) -> "CostModel":
+        """A cost curve that does not depend on B up to `up_to` tokens (the memory-bound ideal)."""
+        return cls(tokens=[1, up_to], sps=[sps, sps])
+
+    @classmethod
+    def from_points(cls, table: dict[int, float] | list[tuple[int, float]], /, **metadata) -> "CostModel":
+        """A table from {B: SPS} or [(B, SPS)]; metadata fields (host, device, ..., points) by keyword."""
+        pairs = sorted(table.items() if isinstance(table, dict) else table)
+        return cls(tokens=[b for b, _ in pairs], sps=[s for _, s in pairs], **metadata)
+
+    # ---- persistence -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("_grids")
+        return {"format": FORMAT, "version": VERSION, **d}
+
+    def save(self, path: str | Path) -> None:
+        """Write the table and its metadata as JSON (schema in the module docstring)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def to_csv(self, path: str | Path) -> None:
+        """Write columns tokens, sps, step_ms (one row per table point)."""
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["tokens", "sps", "step_ms"])
+            for b, s in zip(self.tokens, self.sps):
+                w.writerow([b, repr(s), repr(1000.0 / s)])  # full precision: this is data
+
+    @classmethod
+    def load(cls, path: str | Path, *, expect_host: str | None = None,
+             expect_device: torch.device | str | None = None) -> "CostModel":
+        """Read a table saved by `save`; a table profiled on another host or device is an error.
+
+        expect_device: a torch.device is compared through `device_description` (so cuda:0 and cuda:1 of the same
+        GPU model match); a string is compared with the stored description as is.
+        """
+        d = json.loads(Path(path).read_text())
+        if d.get("format") != FORMAT or d.get("version") != VERSION:
+            raise ValueError(f"{path} is not a {FORMAT} version {VERSION} file "
+                             f"(format={d.get('format')!r}, version={d.get('version')!r})")
+        body = {k: v for k, v in d.items() if k not in ("format", "version")}
+        known = {f for f in cls.__dataclass_fields__ if not f.startswith("_")}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown cost-table keys {unknown}; known: {sorted(known)}")
+        cost = cls(**body)
+        if expect_host is not None and cost.host != expect_host:
+            raise ValueError(f"cost table {path} was profiled for host {cost.host!r}, but the host in use is "
+                             f"{expect_host!r}; profile this host (verifiers.cost_model.profile)")
+        if expect_device is not None:
+            want = expect_device if isinstance(expect_device, str) else device_description(expect_device)
+            if cost.device != want:
+                raise ValueError(f"cost table {path} was profiled on device {cost.device!r}, but the device in use "
+                                 f"is {want!r}; SPS curves do not transfer between devices, profile again")
+        return cost
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repeats: int = 10, warmup: int = 3,
+            max_len: int = 1024, mode: str = "eager", seed: int = 0) -> CostModel:
+    """Time `host.step` at every (R, T) of the grid and return the SPS(B = R*T) table.
+
+    Each point: a fresh cache of R requests and `max_len` positions, random tokens (R, T), `warmup` untimed steps,
+    then the median of `repeats` timed steps. The cache is not advanced (steps overwrite the same positions), so
+    every repeat sees the same attention context. CUDA is synchronised around each timed step. `mode` records
+    whether the host step is eager or graph-captured; it is metadata, the host decides how it runs.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if max(tokens_per_request) > max_len:
+        raise ValueError(f"tokens_per_request up to {max(tokens_per_request)} do not fit a cache of {max_len}")
+    device = torch.device(host.device)
+    g = torch.Generator().manual_seed(seed)
+    points = []
+    for R in batch_sizes:
+        for T in tokens_per_request:
+            cache = host.new_cache(R, max_len)
+            tokens = torch.randint(host.vocab_size, (R, T), generator=g).to(device)  # (R, T)
+            n_valid = torch.full((R,), T, dtype=torch.long, device=device)  # (R,)
+            seconds = []
+            with torch.inference_mode():
+                for i in range(warmup + repeats):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    host.step(cache, tokens, n_valid)
+                    _sync(device)
+                    if i >= warmup:
+                        seconds.append(time.perf_counter() - t0)
+            points.append({"batch_size": R, "tokens_per_request": T, "tokens": R * T,
+                           "step_seconds": statistics.median(seconds)})
+            del cache
+    slowest: dict[int, float] = {}
+    for p in points:
+        slowest[p["tokens"]] = max(slowest.get(p["tokens"], 0.0), p["step_seconds"])
+    return CostModel.from_points({b: 1.0 / max(s, 1e-9) for b, s in slowest.items()},
+                                 host=host.name, device=device_description(device), dtype=str(host.dtype),
+                                 mode=mode, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                 torch_version=torch.__version__, batch_sizes=list(batch_sizes),
+                                 tokens_per_request=list(tokens_per_request), points=points)
+
+
+def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:
+    """Write the engine-neutral scheduling file (cost curve + optional STS temperatures; schema above)."""
+    if sts_temperatures is not None and not all(t > 0 for t in sts_temperatures):
+        raise ValueError(f"STS temperatures must be > 0, got {sts_temperatures}")
+    doc = {
+        "format": ENGINE_FORMAT, "version": VERSION,
+        "host": cost.host, "device": cost.device, "dtype": cost.dtype, "mode": cost.mode, "date": cost.date,
+        "torch_version": cost.torch_version,
+        "cost": {"tokens": cost.tokens, "steps_per_second": cost.sps, "step_ms": [1000.0 / s for s in cost.sps],
+                 "interpolation": "linear", "below_first": "clamp",
+                 "above_last": "step time proportional to tokens"},
+        "sts": None if sts_temperatures is None else {
+            "positions": len(sts_temperatures), "temperatures": [float(t) for t in sts_temperatures],
+            "rule": "c_k' = sigmoid(logit(c_k) / t_k); a_k = prod_{i<=k} c_i'"},
+    }
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
