@@ -1,0 +1,95 @@
+"""Independent small-LM drafter (DSPARK.md §2.5): any causal LM sharing the host's tokenizer drafts K tokens
+autoregressively from the committed tokens alone (no host features).
+
+Shapes: B requests, T tokens in a step, K draft positions, V vocabulary (the host's, which the small LM must share).
+
+The small LM runs through its own `dspark.host.Host` adapter and ragged `KVCache`. Its cache holds the committed
+tokens it has already fed (`cache.lengths`); a round feeds the pending committed tokens (the anchor, and on the
+first round the prompt; after a round whose K drafts were all accepted also x_K, which was drafted but never fed)
+as one ragged step, then drafts x2..xK one token at a time past the committed length. Drafted positions whose
+tokens the host accepts keep their keys (they were computed from exactly those tokens); the rest are overwritten
+next round, so rollback is moving a length.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from drafters.base import DraftState, Drafter, Proposal
+from dspark.host import Host
+from dspark.kv_cache import KVCache
+from dspark.sampling import STREAM_DRAFT, process, sample
+
+
+class SmallLMDrafter(Drafter):
+    """Drafts with a small causal LM of the host's vocabulary."""
+
+    name = "small-lm"
+
+    def __init__(self, model, host) -> None:
+        if model.config.vocab_size != host.vocab_size:
+            raise ValueError(f"small-LM drafter vocabulary ({model.config.vocab_size} tokens) differs from the "
+                             f"host's ({host.vocab_size} tokens): the drafter must share the host's tokenizer")
+        self.lm = Host(model.to(device=host.device), name="small-lm")
+        self.cache: KVCache | None = None
+        self.drafted_end: torch.Tensor | None = None  # (B,) positions < this hold keys of committed or drafted tokens
+
+    @classmethod
+    def from_pretrained(cls, path_or_name: str | os.PathLike, host, *, dtype: torch.dtype | None = None):
+        """Load the small LM with transformers from a local directory or the local HF cache (never downloads)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=dtype or host.dtype, local_files_only=True,
+                                                     attn_implementation="sdpa")
+        return cls(model, host)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Save the small LM with its own `save_pretrained` (config.json + safetensors)."""
+        self.lm.model.save_pretrained(path)
+
+    def begin(self, *, host, batch_size: int, max_len: int) -> None:
+        self.cache = self.lm.new_cache(batch_size, max_len)
+        self.drafted_end = torch.zeros(batch_size, dtype=torch.long, device=host.device)
+
+    def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
+                state: DraftState) -> None:
+        # positions start..start+n_valid-1 are now committed; the first min(n_acc, K-1) drafted tokens were
+        # accepted, so their keys (at positions < drafted_end) are the committed tokens' keys
+        self.cache.rollback(torch.minimum(start + n_valid, self.drafted_end))
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, K: int) -> Proposal:
+        B = state.seq.shape[0]
+        cache, device = self.cache, state.seq.device
+        pending = state.seq_len - cache.lengths  # (B,) >= 1: committed tokens not fed yet, the anchor last
+        # why one sync: the ragged step's width and attention window are Python ints (eager shapes); after the
+        # first round pending is 1 or 2
+        width, end = (int(x) for x in torch.stack([pending.max(), state.seq_len.max()]).cpu())
+        offsets = torch.arange(width, device=device)
+        index = (cache.lengths.unsqueeze(1) + offsets).clamp(max=state.seq.shape[1] - 1)  # (B, width)
+        out = self.lm.step(cache, state.seq.gather(1, index), pending, attend=end)
+        h = out.hidden.gather(1, (pending - 1).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1]))[:, 0]  # (B, H)
+        cache.advance(pending)  # every committed token is fed now
+        committed = cache.lengths.clone()  # (B,)
+        ones = torch.ones(B, dtype=torch.long, device=device)
+        tokens, qs = [], []
+        for k in range(1, K + 1):
+            logits = self.lm.logits(h)  # (B, V)
+            q = process(logits, state.sampling)  # (B, V): the exact distribution x_k is drawn from
+            if state.sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                token = sample(q, state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)
+            tokens.append(token)
+            qs.append(q)
+            if k < K:  # x_K is never fed this round: the host decides it first
+                h = self.lm.step(cache, token.unsqueeze(1), ones, attend=end + k).hidden[:, 0]  # (B, H)
+                cache.advance(ones)
+        self.drafted_end = cache.lengths.clone()  # committed + K-1 drafted positions
+        cache.rollback(committed)
+        return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1))  # (B, K), (B, K, V)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        self.drafted_end = self.drafted_end.index_select(0, rows)
