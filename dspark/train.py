@@ -39,6 +39,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,7 +214,7 @@ def expected_tau(acceptance: torch.Tensor) -> float:
 
 def _summary(outputs: list[TrainOutput], accelerator: Accelerator) -> dict[str, Any]:
     """Mean loss, loss parts and acceptance over micro-batches and processes."""
-    keys = sorted(outputs[0].metrics)
+    keys = sorted(k for k in outputs[0].metrics if k not in ("loss", "acceptance"))  # those two come from fields
     local = torch.tensor([[float(o.loss.detach()), *(float(o.metrics[k]) for k in keys)] for o in outputs],
                          dtype=torch.float64).mean(0)
     acc = torch.stack([o.acceptance.detach().double().cpu() for o in outputs]).mean(0)  # (K,)
@@ -286,7 +287,8 @@ def save_checkpoint(*, accelerator: Accelerator, drafter, optimizer, scheduler, 
     staging = output / f".tmp-{CHECKPOINT_PREFIX}{step:08d}"
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        # first: save_pretrained replaces the whole directory it is given
+        drafter.save_pretrained(staging)
     accelerator.wait_for_everyone()
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and accelerator.device.type == "cuda":
@@ -294,7 +296,6 @@ def save_checkpoint(*, accelerator: Accelerator, drafter, optimizer, scheduler, 
     save_file(rng, staging / f"rng-{accelerator.process_index}.safetensors")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        drafter.save_pretrained(staging)
         optimizer_to_files(optimizer.state_dict(), staging)
         _write_json(staging / "scheduler.json", scheduler.state_dict())
         version, internal, gauss = random.getstate()
@@ -406,7 +407,8 @@ def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | N
     """The checkpoint to resume from (None = fresh start), after cleaning debris of a killed save."""
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
-        for debris in output.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
+        # a killed save leaves only hidden staging directories (ours and save_pretrained's) with this tag
+        for debris in output.glob(f".*tmp-{CHECKPOINT_PREFIX}*"):
             shutil.rmtree(debris, ignore_errors=True)
     accelerator.wait_for_everyone()
     found = checkpoints(output)
@@ -427,8 +429,9 @@ def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | N
     return latest
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Train cfg.drafter on cfg.host; returns the final checkpoint directory (a `load_drafter` path)."""
+def train(cfg: TrainConfig, host: Host | None = None) -> Path:
+    """Train cfg.drafter on cfg.host (or on an already loaded `host`, moved to the training device); returns the
+    final checkpoint directory (a `load_drafter` path)."""
     from drafters import build_drafter, load_drafter
     from transformers import get_cosine_schedule_with_warmup
 
@@ -444,9 +447,13 @@ def train(cfg: TrainConfig) -> Path:
 
     resume_from = _start(cfg, output, accelerator)
     torch.manual_seed(cfg.seed)  # drafter initialisation
-    host = load_host(cfg.host, device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
+    if host is None:
+        host = load_host(cfg.host, device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
+    host.model.to(device)
     if resume_from is None:
-        drafter = build_drafter(cfg.drafter, host, **cfg.drafter_args)
+        with warnings.catch_warnings():  # "random weights" is the point of a fresh training run
+            warnings.filterwarnings("ignore", message=".*has no checkpoint.*")
+            drafter = build_drafter(cfg.drafter, host, **cfg.drafter_args)
     else:
         drafter = load_drafter(resume_from, host)
     drafter.to(device)
