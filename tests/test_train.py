@@ -1,0 +1,211 @@
+"""dspark.train: the loop lowers the loss, trains only the drafter, checkpoints atomically and resumes exactly.
+
+Tiny hosts on the CPU, fp32: a random Llama with a character-level chat tokenizer (real chat-template data
+path, tests/test_regenerate.py) and `random:tiny-llama` by name with `--data synthetic` (the no-tokenizer path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_regenerate import chat_host, write_conversations
+
+import dspark.train as train_module
+from drafters import DRAFTERS, build_drafter, load_drafter
+from dspark.train import TrainConfig, checkpoints, main_train, read_metrics, train
+
+ROOT = Path(__file__).resolve().parents[1]
+RANDOM_HOST = "random:tiny-llama?initializer_range=0.2"  # why 0.2: peaked host distributions, something to learn
+SMALL = {  # per-drafter overrides that keep a step around 0.1 s on the CPU
+    "dspark": dict(num_layers=1, gamma=4, rank=16, max_anchors=32, num_feature_layers=2),
+    "dflash": dict(num_layers=1, gamma=4, max_anchors=32, num_feature_layers=2),
+    "mtp": dict(),
+    "eagle3": dict(ttt_length=3),
+}
+TRAINABLE = [name for name in SMALL if name in DRAFTERS]
+
+
+def synthetic_config(output, **overrides) -> TrainConfig:
+    settings = dict(output=str(output), host=RANDOM_HOST, drafter="dspark", drafter_args=SMALL["dspark"],
+                    data="synthetic:64", seq_len=128, batch_size=2, max_steps=10, save_every=4, eval_every=5,
+                    eval_batches=1, lr=2e-3)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def losses(output) -> list[tuple[str, int, float]]:
+    return [(r["kind"], r["step"], r["loss"]) for r in read_metrics(Path(output) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> str:
+    return write_conversations(tmp_path_factory.mktemp("data") / "chats.jsonl", 48)
+
+
+@pytest.mark.parametrize("kind", TRAINABLE)
+def test_loss_falls_only_drafter_trains_checkpoint_loads(tmp_path, chat_data, kind):
+    host = chat_host()
+    embed, head = host.embed_tokens.weight.clone(), host.lm_head.weight.clone()
+    cfg = TrainConfig(output=str(tmp_path / kind), host="tiny-chat", drafter=kind, drafter_args=SMALL[kind],
+                      data=chat_data, heldout_fraction=0.2, max_length=128, seq_len=128, batch_size=2, max_steps=24,
+                      lr=3e-3, save_every=12, eval_every=12, eval_batches=2)
+    path = train(cfg, host=host)
+
+    records = read_metrics(Path(cfg.output) / "metrics.jsonl")
+    train_loss = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(train_loss) == 24
+    assert sum(train_loss[-4:]) / 4 < sum(train_loss[:4]) / 4, train_loss
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [12, 24]
+    last = records[-2]
+    assert len(last["acceptance"]) >= 1 and all(0 <= a <= 1 for a in last["acceptance"])
+    assert last["tau"] == pytest.approx(1 + float(torch.tensor(last["acceptance"]).cumprod(0).sum()))
+    for key in ("lr", "grad_norm", "tokens_per_s", "peak_mem_gb", "epoch"):
+        assert key in last
+    assert (Path(cfg.output) / "training_curve.png").stat().st_size > 1000
+
+    # the frozen host embedding and LM head are untouched; every trainable drafter tensor moved
+    assert torch.equal(host.embed_tokens.weight, embed) and torch.equal(host.lm_head.weight, head)
+    torch.manual_seed(cfg.seed)  # train seeds the same way before building, so this is the initial drafter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "random weights": this is the untrained start, on purpose
+        initial = build_drafter(kind, host, **SMALL[kind])
+    trained = load_drafter(path, host)
+    assert type(trained) is type(initial)
+    names = [n for n, p in trained.named_parameters() if p.requires_grad]
+    assert names and set(trained.state_dict()) == set(initial.state_dict())
+    unchanged = [n for n in names if torch.equal(trained.state_dict()[n], initial.state_dict()[n])]
+    assert not unchanged, f"parameters that never moved: {unchanged}"
+    assert type(trained).from_pretrained(path, host) is not None
+
+    # checkpoint layout: the drafter's files plus trainer state, all safetensors + JSON, no pickle
+    files = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "trainer_state.json", "optimizer.safetensors", "optimizer.json",
+            "scheduler.json", "rng-0.safetensors"} <= files
+    assert not [f for f in files if f.endswith((".pt", ".bin", ".pkl"))]
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state["step"] == 24 and state["config"]["drafter"] == kind
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
+    steady = synthetic_config(tmp_path / "steady", grad_accum=2)
+    train(steady)
+
+    crash_after = 7  # past the step-4 checkpoint, so the crashed run logged steps 5..6 that resume must drop
+    original = train_module.log_metrics
+
+    def crash(record, **kwargs):
+        if record["kind"] == "train" and record["step"] == crash_after:
+            raise KeyboardInterrupt("simulated crash")
+        original(record, **kwargs)
+
+    interrupted = synthetic_config(tmp_path / "interrupted", grad_accum=2)
+    monkeypatch.setattr(train_module, "log_metrics", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted)
+    monkeypatch.setattr(train_module, "log_metrics", original)
+    assert [c.name for c in checkpoints(Path(interrupted.output))] == ["checkpoint-00000004"]
+    train(interrupted)  # resume="auto" picks up checkpoint-4
+
+    a, b = losses(steady.output), losses(interrupted.output)
+    assert [(k, s) for k, s, _ in a] == [(k, s) for k, s, _ in b]  # same records, none duplicated
+    assert max(abs(x - y) for (_, _, x), (_, _, y) in zip(a, b)) < 1e-6
+    ra, rb = read_metrics(Path(steady.output) / "metrics.jsonl"), read_metrics(Path(interrupted.output) / "metrics.jsonl")
+    assert [r.get("lr") for r in ra] == [r.get("lr") for r in rb]
+    assert [c.name for c in checkpoints(Path(interrupted.output))] == ["checkpoint-00000008", "checkpoint-00000010"]
+
+    # resuming a finished run returns its final checkpoint; changed data-order settings are refused
+    assert train(interrupted).name == "checkpoint-00000010"
+    with pytest.raises(ValueError, match="batch_size"):
+        train(synthetic_config(tmp_path / "interrupted", grad_accum=2, batch_size=4))
+    with pytest.raises(FileExistsError):
+        train(synthetic_config(tmp_path / "interrupted", grad_accum=2, resume="never"))
+    with pytest.raises(FileNotFoundError):
+        train(synthetic_config(tmp_path / "empty", resume="always"))
+
+
+def test_sigkill_mid_run_then_resume(tmp_path):
+    output = tmp_path / "killed"
+    flags = ["--output", str(output), "--host", RANDOM_HOST, "--drafter", "dflash", "--drafter-args",
+             *(f"{k}={v}" for k, v in SMALL["dflash"].items()), "--data", "synthetic:64", "--seq-len", "128",
+             "--batch-size", "2", "--max-steps", "24", "--save-every", "2", "--eval-every", "0", "--lr", "2e-3"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    process = subprocess.Popen([sys.executable, "-m", "dspark.train", *flags], env=env, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mid_write = False
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            if output.is_dir():
+                staging = [p for p in output.iterdir() if p.name.startswith(".") and "tmp-checkpoint" in p.name]
+                done = checkpoints(output)
+                if staging and done:  # a save in progress with an earlier checkpoint already there
+                    mid_write = True
+                    break
+                if len(done) >= 3:
+                    break
+            time.sleep(0.002)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    survivors = checkpoints(output)
+    assert survivors
+    from dspark.train import load_host
+
+    host = load_host(RANDOM_HOST, device=torch.device("cpu"), dtype=torch.float32)
+    for checkpoint in survivors:  # every complete checkpoint is loadable, whatever the kill interrupted
+        load_drafter(checkpoint, host)
+        json.loads((checkpoint / "trainer_state.json").read_text())
+
+    from dspark.config import parse
+
+    (cfg,) = parse([TrainConfig], flags)
+    final = train(cfg)
+    assert final.name == "checkpoint-00000024"
+    assert not [p for p in output.iterdir() if p.name.startswith(".")]  # killed-save debris cleaned up
+    resumed = losses(output)
+    assert [s for _, s, _ in resumed] == list(range(1, 25))
+    (steady,) = parse([TrainConfig], [*flags[:1], str(tmp_path / "steady"), *flags[2:]])
+    reference = losses(train(steady).parent)
+    assert max(abs(x - y) for (_, _, x), (_, _, y) in zip(reference, resumed)) < 1e-6
+    print(f"killed {'during a checkpoint write' if mid_write else 'between checkpoint writes'}")
+
+
+def test_cli_yaml_and_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # train must choose offline by itself
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "run.yaml").write_text(
+        f"host: '{RANDOM_HOST}'\ndrafter: dspark\ndrafter_args: {json.dumps(SMALL['dspark'])}\n"
+        "data: synthetic:32\nseq_len: 128\nbatch_size: 2\nmax_steps: 50\neval_every: 0\n")
+    path = main_train(["--config", str(tmp_path / "run.yaml"), "--max-steps", "2", "--report-to", "wandb",
+                       "--output", str(tmp_path / "run")])
+    assert path.name == "checkpoint-00000002" and os.environ["WANDB_MODE"] == "offline"
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(losses(tmp_path / "run")) == 2
+
+
+def test_random_host_needs_synthetic_data(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        train(synthetic_config(tmp_path / "x", data="sharegpt"))
+
+
+@pytest.mark.slow
+def test_smollm2_sharegpt_smoke(tmp_path):
+    """A few dozen CPU steps of DSpark on SmolLM2 over a ShareGPT slice lower the loss (a few minutes)."""
+    cfg = TrainConfig(output=str(tmp_path / "smollm2"), host="smollm2", drafter="dspark",
+                      drafter_args=dict(num_layers=1, rank=64, max_anchors=32), data="sharegpt", data_limit=48,
+                      max_length=256, seq_len=256, batch_size=2, max_steps=30, lr=2e-3, save_every=30,
+                      eval_every=0)
+    started = time.perf_counter()
+    path = train(cfg)
+    train_loss = [r["loss"] for r in read_metrics(Path(cfg.output) / "metrics.jsonl")]
+    print(f"SmolLM2 smoke: {time.perf_counter() - started:.0f} s, loss {train_loss[0]:.3f} -> {train_loss[-1]:.3f}")
+    assert sum(train_loss[-5:]) / 5 < sum(train_loss[:5]) / 5
+    assert path.name == "checkpoint-00000030"
