@@ -18,7 +18,13 @@ Training (`training_loss`) is EAGLE-3's training-time test: S unrolled steps ove
 using step j-1's outputs as g. Step j's query at index i stands for position i+j; it attends to step-0 keys
 (true features) at indices <= i of its document and to steps 1..j's keys at index i only (the diagonal), exactly
 what the drafter attends to at inference after j drafted positions. Loss: soft cross-entropy against the full host
-distribution, step weights step_decay**j, on response tokens.
+distribution, step weights step_decay**j, on response tokens (tests check the unroll equals inference's).
+why explicit attention scores there: the step-0 part is a (T, T) causal score matrix and the rest one dot product per
+earlier step; merging them into one softmax needs the scores, which SDPA does not return (memory O(S·T²), as in
+EAGLE-3's own implementation).
+
+Checkpoints (`save_pretrained` / `from_pretrained`, drafters/checkpoint.py) hold fc, the layer and the final norm
+with the host fingerprint; the host's embedding, LM head and rotary tables are borrowed (`SharedHost`), never saved.
 """
 from __future__ import annotations
 

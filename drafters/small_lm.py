@@ -74,17 +74,17 @@ class SmallLMDrafter(Drafter):
         committed = cache.lengths.clone()  # (B,)
         ones = torch.ones(B, dtype=torch.long, device=device)
         tokens, qs = [], []
-        for k in range(1, K + 1):
+        for k in range(K):
             logits = self.lm.logits(h)  # (B, V)
-            q = process(logits, state.sampling)  # (B, V): the exact distribution x_k is drawn from
+            q = process(logits, state.sampling)  # (B, V): the exact distribution x_{k+1} is drawn from
             if state.sampling.greedy:
                 token = logits.argmax(-1)
             else:
-                token = sample(q, state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)
+                token = sample(q, state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)  # fresh noise per round
             tokens.append(token)
             qs.append(q)
-            if k < K:  # x_K is never fed this round: the host decides it first
-                h = self.lm.step(cache, token.unsqueeze(1), ones, attend=end + k).hidden[:, 0]  # (B, H)
+            if k < K - 1:  # x_K is never fed this round: the host decides it first
+                h = self.lm.step(cache, token.unsqueeze(1), ones, attend=end + k + 1).hidden[:, 0]  # (B, H)
                 cache.advance(ones)
         self.drafted_end = cache.lengths.clone()  # committed + K-1 drafted positions
         cache.rollback(committed)
