@@ -1,0 +1,104 @@
+"""Drafters: choose one by name with `build_drafter(name, host, ...)`, or load a trained one with
+`load_drafter(path, host)` (config.json's "kind" picks the class).
+
+Names: ngram (prompt lookup, model-free), dspark (DSPARK.md §2.3), dflash (DSpark with heads off, §2.2),
+mtp (MTP-1), and the other helpers' eagle3 and small-lm (registered below).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+from drafters.base import Drafter
+from drafters.checkpoint import CheckpointError, read_config
+from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.mtp import MTPConfig, MTPDrafter
+from drafters.ngram import NgramDrafter
+from drafters.small_lm import SmallLMDrafter
+
+#: checkpoint kind (config.json "kind") -> drafter class with from_pretrained(dir, host)
+DRAFTER_KINDS: dict[str, type] = {
+    "dspark": DSparkDrafter,
+    "mtp": MTPDrafter,
+    "eagle3": Eagle3Drafter,
+}
+
+
+def _untrained(drafter, name: str):
+    warnings.warn(f"drafter '{name}' has no checkpoint: built with random weights, so acceptance will be low "
+                  "(train one with `dspark train` and pass checkpoint=...)", stacklevel=3)
+    return drafter
+
+
+def _build_dspark(host, checkpoint, **overrides):
+    if checkpoint is not None:
+        return DSparkDrafter.from_pretrained(checkpoint, host, **overrides)
+    return _untrained(DSparkDrafter(host, DSparkConfig(**overrides)), "dspark")
+
+
+def _build_dflash(host, checkpoint, **overrides):
+    config = dflash_config(**overrides)
+    if checkpoint is not None:  # a DFlash checkpoint is a dspark one with the heads off
+        return DSparkDrafter.from_pretrained(checkpoint, host, **{"head": config.head,
+                                                                  "confidence": config.confidence, **overrides})
+    return _untrained(DSparkDrafter(host, config), "dflash")
+
+
+def _build_mtp(host, checkpoint, **overrides):
+    if checkpoint is not None:
+        return MTPDrafter.from_pretrained(checkpoint, host, **overrides)
+    return _untrained(MTPDrafter(host, MTPConfig(**overrides)), "mtp")
+
+
+def _build_ngram(host, checkpoint, **overrides):
+    if checkpoint is not None:
+        raise ValueError("the ngram drafter is model-free: it takes no checkpoint")
+    return NgramDrafter(**overrides)
+
+
+def _build_eagle3(host, checkpoint, **overrides):
+    if checkpoint is not None:
+        return Eagle3Drafter.from_pretrained(checkpoint, host, **overrides)
+    return _untrained(Eagle3Drafter(host, Eagle3Config(**overrides)), "eagle3")
+
+
+def _build_small_lm(host, checkpoint, **overrides):
+    if checkpoint is None:
+        raise ValueError("the small-lm drafter needs checkpoint=<a local model directory, or a hub id in the local HF "
+                         "cache> of a causal LM sharing the host's tokenizer")
+    return SmallLMDrafter.from_pretrained(checkpoint, host, **overrides)
+
+
+#: drafter name -> builder(host, checkpoint, **overrides)
+DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "ngram": _build_ngram,
+    "dspark": _build_dspark,
+    "dflash": _build_dflash,
+    "mtp": _build_mtp,
+    "eagle3": _build_eagle3,
+    "small-lm": _build_small_lm,
+}
+
+
+def build_drafter(name: str, host, *, checkpoint: str | os.PathLike | None = None, **overrides) -> Drafter:
+    """The drafter called `name` for `host`: loaded from `checkpoint` when given (overrides must then match the
+    checkpoint's config), else freshly built from its config dataclass with `overrides` (random weights: warns)."""
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter '{name}'; choose one of {sorted(DRAFTERS)}")
+    return DRAFTERS[name](host, checkpoint, **overrides)
+
+
+def load_drafter(path: str | os.PathLike, host) -> Drafter:
+    """A trained drafter from a `save_pretrained` directory; its config.json "kind" picks the class."""
+    kind = read_config(path)["kind"]
+    if kind not in DRAFTER_KINDS:
+        raise CheckpointError(f"checkpoint {path} holds an unknown drafter kind '{kind}'; known kinds: "
+                              f"{sorted(DRAFTER_KINDS)}")
+    return DRAFTER_KINDS[kind].from_pretrained(path, host)
+
+
+__all__ = ["DRAFTERS", "DRAFTER_KINDS", "CheckpointError", "DSparkConfig", "DSparkDrafter", "Drafter", "Eagle3Config",
+           "Eagle3Drafter", "MTPConfig", "MTPDrafter", "NgramDrafter", "SmallLMDrafter", "build_drafter",
+           "dflash_config", "load_drafter"]

@@ -60,9 +60,14 @@ class SharedHost:
     def of(cls, host) -> "SharedHost":
         return cls(embed_tokens=host.embed_tokens, lm_head=host.lm_head, rotary=host.rotary)
 
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Frozen host embedding of token ids (...,) -> (..., H) in the drafter's dtype."""
+        return self.embed_tokens(tokens).to(dtype)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Frozen LM head on final-normed drafter hidden (..., H) -> float32 logits (..., V)."""
-        return self.lm_head(h).float()
+        """Frozen LM head on final-normed drafter hidden (..., H) -> float32 logits (..., V). why the cast: the
+        drafter keeps float32 master weights while the host may run in bf16."""
+        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
 
 class RMSNorm(nn.Module):

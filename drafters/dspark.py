@@ -144,8 +144,13 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
             self.rnn = nn.Linear(2 * r + H, 3 * r)
         if config.confidence:
             self.confidence_head = nn.Linear(H + (r if config.head != "none" else 0), 1)
-        self.to(device=host.device, dtype=host.dtype)
+        # float32 master weights whatever the host's dtype (train under autocast; cast with .to() for inference)
+        self.to(device=host.device)
         self.cache: KVCache | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
 
     # ---- the sequential head (DSPARK.md §2.3) -------------------------------------------------------------------
 
@@ -172,23 +177,23 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[embed(x0), mask, ..., mask] for anchors (...,): (..., gamma, H)."""
-        x0 = self.shared.embed_tokens(anchor_tokens).unsqueeze(-2)  # (..., 1, H)
+        x0 = self.shared.embed(anchor_tokens, self.dtype).unsqueeze(-2)  # (..., 1, H)
         masks = self.mask_embedding.expand(x0.shape[:-2] + (self.config.gamma - 1, x0.shape[-1]))
-        return torch.cat([x0, masks.to(x0.dtype)], dim=-2)
+        return torch.cat([x0, masks], dim=-2)
 
     # ---- decoding -------------------------------------------------------------------------------------------
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
         self.cache = KVCache(num_layers=self.config.num_layers, batch_size=batch_size,
                              num_kv_heads=host.num_kv_heads, max_len=max_len, head_dim=host.head_dim,
-                             dtype=host.dtype, device=host.device)
+                             dtype=self.dtype, device=host.device)
 
     @torch.no_grad()
     def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
                 state: DraftState) -> None:
         T = features.shape[1]
         positions = start.unsqueeze(1) + torch.arange(T, device=start.device)  # (B, T)
-        ctx = self.context_norm(self.fc(features))  # (B, T, H) H_ctx
+        ctx = self.context_norm(self.fc(features.to(self.dtype)))  # (B, T, H) H_ctx
         cos, sin = self.shared.rotary(ctx, positions)
         # padding rows past n_valid are written too: they sit at or past the new length, masked until overwritten
         self.backbone.write_context(self.cache, ctx, cos, sin, positions)
@@ -241,7 +246,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         B, A = anchors.shape
         T = input_ids.shape[1]
         doc_pos = document_positions(document_ids)  # (B, T)
-        ctx = self.context_norm(self.fc(features))  # (B, T, H)
+        ctx = self.context_norm(self.fc(features.to(self.dtype)))  # (B, T, H)
         ctx_cos, ctx_sin = self.shared.rotary(ctx, doc_pos)
         x = self._block_input(input_ids.gather(1, anchors)).flatten(1, 2)  # (B, A*gamma, H)
         k = torch.arange(gamma, device=anchors.device)
