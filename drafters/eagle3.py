@@ -29,6 +29,7 @@ with the host fingerprint; the host's embedding, LM head and rotary tables are b
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -237,16 +238,17 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         return out  # (B, N, T, D)
 
     def ttt_logits(self, input_ids: torch.Tensor, features: torch.Tensor,
-                   document_ids: torch.Tensor) -> list[torch.Tensor]:
-        """The S unrolled steps over whole sequences (B, T): step j's logits (B, T, V) at index i are the draft
-        distribution of token i+2+j, from true tokens up to i+1+j and true features up to i."""
+                   document_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The S unrolled steps over whole sequences (B, T): yields step j's logits (B, T, V), whose index i is the
+        draft distribution of token i+2+j from true tokens up to i+1+j and true features up to i. why a generator:
+        each step's (B, T, V) logits can be freed once its loss is taken."""
         B, T = input_ids.shape
         positions = document_positions(document_ids)  # (B, T), as the host saw them
         index = torch.arange(T, device=input_ids.device)
         allowed = ((index.view(1, 1, T) <= index.view(1, T, 1))
                    & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)))  # (B, T, T) step-0 keys
         g = self.fc(features.to(self.dtype))  # (B, T, H)
-        keys, values, logits = [], [], []
+        keys, values = [], []
         for j in range(self.config.ttt_length):
             # index i of step j stands for position i+j: its input token is i+1+j, its g step j-1's output at i
             inputs = F.pad(input_ids[:, 1 + j:], (0, 1 + j))  # (B, T)
@@ -255,24 +257,25 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
             keys.append(k)
             values.append(v)
             g = self.layer.finish(g, self._ttt_attention(q, keys, values, allowed))  # (B, T, H)
-            logits.append(self._logits(g))
-        return logits
+            yield self._logits(g)
 
     def training_loss(self, batch: TrainBatch) -> TrainOutput:
         """Training-time test: soft cross-entropy of each unrolled step j against the host's full distribution of
         the token it predicts, weighted step_decay**j, on response tokens. TrainOutput.acceptance: (S,) mean
         c* = 1 - ½‖q - p‖₁ per step (teacher-forced tokens, self-generated features)."""
         ids, doc = batch.input_ids, batch.document_ids
-        S = self.config.ttt_length
+        T, S = ids.shape[1], self.config.ttt_length
         mask = batch.loss_mask.bool()
         p_all = F.softmax(batch.host_logits.float(), dim=-1).detach()  # (B, T, V): p_all[:, t] targets token t+1
         ce, accept, valid = [], [], []
         for j, logits in enumerate(self.ttt_logits(ids, batch.features, doc)):
-            log_q = F.log_softmax(logits, dim=-1)  # (B, T, V)
-            p = F.pad(p_all[:, 1 + j:], (0, 0, 0, 1 + j))  # (B, T, V) host distribution of token i+2+j
-            ce.append(-(p * log_q).sum(-1))  # (B, T)
+            # why slices, padded only after the V axis is reduced: (B, T, V) copies per step dominate memory
+            n = T - 1 - j  # indices i whose host distribution p_all[:, i+1+j] exists
+            log_q = F.log_softmax(logits[:, :n], dim=-1)  # (B, n, V)
+            p = p_all[:, 1 + j:]  # (B, n, V) host distribution of token i+2+j
+            ce.append(F.pad(-(p * log_q).sum(-1), (0, T - n)))  # (B, T)
             with torch.no_grad():
-                accept.append(1 - 0.5 * (log_q.exp() - p).abs().sum(-1))
+                accept.append(F.pad(1 - 0.5 * (log_q.exp() - p).abs().sum(-1), (0, T - n)))
             # the predicted token i+2+j exists, is a response token and lies in index i's document
             valid.append(F.pad(mask[:, 2 + j:], (0, 2 + j))
                          & (F.pad(doc[:, 2 + j:], (0, 2 + j), value=-1) == doc))  # (B, T)

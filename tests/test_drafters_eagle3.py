@@ -201,7 +201,7 @@ def test_ttt_unroll_is_the_inference_unroll(tiny_host, trained):
     drafter = trained[0]
     ids = torch.tensor([random_prompts([20], tiny_host.vocab_size, seed=9, repeat=False)[0]])  # (1, T)
     out = tiny_host.forward(ids, taps=drafter.feature_layers)
-    steps = drafter.ttt_logits(ids, out.features, torch.zeros_like(ids))
+    steps = list(drafter.ttt_logits(ids, out.features, torch.zeros_like(ids)))
     state = DraftState(seq=ids, seq_len=torch.tensor([0]), seeds=torch.zeros(1, dtype=torch.long),
                        rounds=torch.zeros(1, dtype=torch.long), sampling=SamplingConfig())
     with torch.no_grad():
