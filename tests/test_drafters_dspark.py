@@ -61,6 +61,7 @@ def train_batch(host, drafter, seed: int = 0, T: int = 32) -> TrainBatch:
     loss_mask[1, 18:] = 1
     document_ids = torch.zeros(2, T, dtype=torch.long)
     document_ids[1, 14:] = 1
+    ids, loss_mask, document_ids = ids.to(host.device), loss_mask.to(host.device), document_ids.to(host.device)
     out = host.forward(ids, document_ids=document_ids, taps=drafter.feature_layers)
     return TrainBatch(input_ids=ids, loss_mask=loss_mask, document_ids=document_ids, features=out.features,
                       host_logits=host.logits(out.hidden), generator=torch.Generator().manual_seed(seed))
