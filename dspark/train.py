@@ -491,9 +491,13 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
         scheduler.load_state_dict(json.loads((resume_from / "scheduler.json").read_text()))
         restore_rng(resume_from, trainer_state, accelerator)
         step = trainer_state["step"]
+        if trainer_state["world_size"] != world and accelerator.is_main_process:
+            logger.warning("resuming a %d-process run on %d processes: the global batch and the data order "
+                           "change from here on", trainer_state["world_size"], world)
         if accelerator.is_main_process:
             _truncate_metrics(output / "metrics.jsonl", step)
-        logger.info("resumed from %s at step %d", resume_from, step)
+        if accelerator.is_main_process:
+            logger.info("resumed from %s at step %d", resume_from, step)
     elif accelerator.is_main_process:
         (output / "metrics.jsonl").unlink(missing_ok=True)
     if accelerator.is_main_process:
@@ -503,8 +507,10 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
         "wandb": {"dir": str(output), "name": output.name}})
     metrics_file = output / "metrics.jsonl"
     n_params = sum(p.numel() for p in trainable)
-    logger.info("training %s (%.2fM trainable parameters) on %s: %d packed rows, %d steps/epoch, %d steps, "
-                "%d process(es)", cfg.drafter, n_params / 1e6, cfg.host, len(train_rows), steps_per_epoch, total, world)
+    if accelerator.is_main_process:
+        logger.info("training %s (%.2fM trainable parameters) on %s: %d packed rows, %d steps/epoch, %d steps, "
+                    "%d process(es)", cfg.drafter, n_params / 1e6, cfg.host, len(train_rows), steps_per_epoch, total,
+                    world)
 
     def state(step: int) -> dict:
         micro = step * cfg.grad_accum

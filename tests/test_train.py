@@ -178,6 +178,37 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     print(f"killed {'during a checkpoint write' if mid_write else 'between checkpoint writes'}")
 
 
+def test_two_process_ddp_on_cpu_then_resume(tmp_path):
+    """The multi-GPU path (DDP over the drafter, host replicated, rows split by rank, per-rank RNG files) through
+    torchrun with gloo on the CPU; on GPUs `accelerate launch` starts the same processes."""
+    output = tmp_path / "ddp"
+    flags = ["--output", str(output), "--host", RANDOM_HOST, "--drafter", "dspark", "--drafter-args",
+             *(f"{k}={v}" for k, v in SMALL["dspark"].items()), "--data", "synthetic:64", "--seq-len", "128",
+             "--batch-size", "2", "--save-every", "3", "--eval-every", "3", "--eval-batches", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "ACCELERATE_USE_CPU": "true"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "-m", "dspark.train", *flags]
+    for steps in ("4", "6"):  # the second launch resumes the first one's step-4 checkpoint
+        # why a session of its own: on a hang, the launcher's worker processes are killed with it
+        process = subprocess.Popen([*launch, "--max-steps", steps], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, stderr = process.communicate(timeout=300)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        assert process.returncode == 0, stderr[-3000:]
+    final = checkpoints(output)[-1]
+    assert final.name == "checkpoint-00000006"
+    assert {"rng-0.safetensors", "rng-1.safetensors"} <= {p.name for p in final.iterdir()}
+    assert json.loads((final / "trainer_state.json").read_text())["world_size"] == 2
+    assert [(k, s) for k, s, _ in losses(output)] == [("train", 1), ("train", 2), ("train", 3), ("eval", 3),
+                                                       ("train", 4), ("eval", 4), ("train", 5), ("train", 6),
+                                                       ("eval", 6)]
+
+
 def test_cli_yaml_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # train must choose offline by itself
     monkeypatch.setenv("WANDB_SILENT", "true")
