@@ -48,6 +48,7 @@ from typing import Any, Literal, Optional
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import is_tensorboard_available, is_wandb_available
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -435,6 +436,11 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
     from drafters import build_drafter, load_drafter
     from transformers import get_cosine_schedule_with_warmup
 
+    # why check here: accelerate only warns and logs nowhere when the tracker's package is missing
+    if cfg.report_to == "wandb" and not is_wandb_available():
+        raise ImportError("--report-to wandb needs the wandb package: pip install wandb")
+    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
+        raise ImportError("--report-to tensorboard needs tensorboard or tensorboardX: pip install tensorboardX")
     if cfg.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", "offline")  # why: no login or network needed; sync later by hand
     output = Path(cfg.output)
@@ -578,7 +584,7 @@ def evaluate(host: Host, model, rows: list[TokenizedChat], *, cfg: TrainConfig, 
     """Mean loss and teacher-forced acceptance over the first eval_batches micro-batches of held-out rows."""
     model.eval()
     world, rank = accelerator.num_processes, accelerator.process_index
-    mine = rows[rank::world]
+    mine = rows[rank::world] or rows  # fewer rows than processes: every process still reports a mean
     outputs = []
     for i in range(min(cfg.eval_batches, max(1, math.ceil(len(mine) / cfg.batch_size)))):
         part = mine[i * cfg.batch_size : (i + 1) * cfg.batch_size] or mine[: cfg.batch_size]

@@ -222,6 +222,15 @@ def test_cli_yaml_and_wandb_offline(tmp_path, monkeypatch):
     assert len(losses(tmp_path / "run")) == 2
 
 
+def test_tensorboard_tracker(tmp_path):
+    from accelerate.utils import is_tensorboard_available
+
+    if not is_tensorboard_available():
+        pytest.skip("neither tensorboard nor tensorboardX is installed")
+    train(synthetic_config(tmp_path / "tb", max_steps=2, eval_every=0, report_to="tensorboard"))
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
 def test_random_host_needs_synthetic_data(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer"):
         train(synthetic_config(tmp_path / "x", data="sharegpt"))
