@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny randomly initialised hosts (seconds on a CPU), and the real SmolLM2 host for `slow` tests."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dspark.host import Host
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_model(kind: str = "llama", *, vocab: int = 128, hidden: int = 64, layers: int = 4, seed: int = 0):
+    """A seeded random causal LM of the given family, fp32, eval mode."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+    else:
+        raise ValueError(kind)
+    # why: random init gives near-uniform logits and argmax near-ties; a larger output scale makes the tiny host
+    # peaked like a real LM so greedy comparisons are not decided by float noise
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_host() -> Host:
+    return Host(tiny_model("llama"), name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def micro_host() -> Host:
+    """A tiny-vocabulary host (V = 8) for statistical tests of the sampler."""
+    model = tiny_model("llama", vocab=8, hidden=32, layers=2, seed=1)
+    with torch.no_grad():
+        model.lm_head.weight.div_(8.0)  # keep the distributions spread for chi-square tests
+    return Host(model, name="micro")
+
+
+@pytest.fixture(scope="session")
+def smollm2_host() -> Host:
+    import dspark
+
+    return dspark.load_host("smollm2")
+
+
+def random_prompts(lengths, vocab: int, seed: int = 0, repeat: bool = True) -> list[list[int]]:
+    """Prompts of the given lengths; repeated halves give the n-gram drafter something to find."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        half = torch.randint(0, vocab, (max(1, n // 2),), generator=g).tolist()
+        out.append((half + half)[:n] if repeat else torch.randint(0, vocab, (n,), generator=g).tolist())
+    return out
