@@ -46,6 +46,7 @@ class RoundLog:
     committed: list[torch.Tensor] = field(default_factory=list)  # (B,) tokens committed (accepted + 1, cut at stops)
     confidence: list[torch.Tensor | None] = field(default_factory=list)  # (B, K) or None
     batch: list[int] = field(default_factory=list)  # requests in the batch that round (the load)
+    time: list[float] = field(default_factory=list)  # seconds since generate() started, at the end of the round
 
     def column(self, name: str) -> torch.Tensor:
         """All rows of one integer column, concatenated: (N,)."""
@@ -59,7 +60,8 @@ class RoundLog:
         return torch.cat(self.confidence)
 
     def extend(self, other: "RoundLog") -> None:
-        for name in ("request", "round", "proposed", "verified", "accepted", "committed", "confidence", "batch"):
+        for name in ("request", "round", "proposed", "verified", "accepted", "committed", "confidence", "batch",
+                     "time"):
             getattr(self, name).extend(getattr(other, name))
 
 
@@ -70,6 +72,8 @@ class GenerationResult:
     log: RoundLog
     seconds: float
     rounds: int  # loop iterations (batched rounds), prefill excluded
+    latency: list[float] = field(default_factory=list)  # per request: seconds from its batch's start to its end
+    batches: int = 1  # batches the prompts were decoded in (each starts with one prefill forward)
 
     @property
     def stats(self) -> dict:
@@ -140,6 +144,7 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
 
     outputs: list[list[int]] = [[] for _ in range(n)]
     reasons = ["length"] * n
+    latency = [0.0] * n
     log = RoundLog()
     rounds = 0
     bar = tqdm(total=sum(limits), desc="decode", unit="tok", disable=not progress)
@@ -149,16 +154,18 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
         rounds += _decode_batch(host, [list(prompts[i]) for i in ids], ids, drafter=drafter, verifier=verifier,
                                 K=K, limits=[limits[i] for i in ids], sampling=sampling,
                                 seeds=[seeds[i] for i in ids], stops=stops, outputs=outputs, reasons=reasons,
-                                log=log, bar=bar, on_tokens=on_tokens)
+                                log=log, bar=bar, on_tokens=on_tokens, latency=latency, t0=start_time)
     seconds = time.perf_counter() - start_time
     bar.close()
-    return GenerationResult(token_ids=outputs, finish_reasons=reasons, log=log, seconds=seconds, rounds=rounds)
+    return GenerationResult(token_ids=outputs, finish_reasons=reasons, log=log, seconds=seconds, rounds=rounds,
+                            latency=latency, batches=-(-n // batch_size))
 
 
 def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seeds, stops, outputs, reasons,
-                  log, bar, on_tokens) -> int:
-    """Decode one batch to completion, writing into outputs/reasons/log; returns the number of rounds."""
+                  log, bar, on_tokens, latency, t0) -> int:
+    """Decode one batch to completion, writing into outputs/reasons/log/latency; returns the number of rounds."""
     device, B = host.device, len(prompts)
+    batch_start = time.perf_counter()
     plen = torch.tensor([len(p) for p in prompts])
     max_len = int(plen.max()) + max(limits) + K + 2
     request = torch.tensor(ids)  # (B,) request index of each live row
@@ -168,7 +175,7 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         seq[b, : len(p)] = torch.tensor(p)
     seq = seq.to(device)
     cache = host.new_cache(B, max_len)
-    state = DraftState(seq=seq, seq_len=plen.to(device), seeds=torch.tensor(seeds, device=device),
+    state = DraftState(seq=seq, seq_len=plen.to(device).clone(), seeds=torch.tensor(seeds, device=device),
                        rounds=torch.zeros(B, dtype=torch.long, device=device), sampling=sampling)
     cache_len = torch.zeros(B, dtype=torch.long)  # CPU mirror of cache.lengths, for the attention window
     taps = drafter.feature_layers
@@ -187,6 +194,7 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
                     n_valid=plen.to(device), state=state)
     live = _commit_cpu(first.cpu().unsqueeze(1), torch.ones(B, dtype=torch.long), request, remaining, stops,
                        outputs, reasons, bar, on_tokens)
+    _record_finished(live, request, latency, batch_start)
 
     rounds = 0
     while True:
@@ -211,22 +219,26 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         if proposal.lengths is not None:
             ell = torch.minimum(ell, proposal.lengths)
         ell = torch.minimum(ell, (remaining - 1).clamp(min=0).to(device))  # never verify past max_new_tokens
-        # 3 verify: [x0, x1..xK]; only the first ell+1 of each row are real
-        inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, K+1)
-        out = host.step(cache, inputs, ell + 1, taps=taps, attend=int(cache_len.max()) + K + 1)
-        logits = host.logits(out.hidden)  # (B, K+1, V)
+        # 3 verify: [x0, x1..xL] with L = max ell over the batch (the forward is only as wide as the longest
+        # verified prefix, so a scheduler that shortens verification saves host compute); only the first
+        # ell+1 of each row are real. L is read on the CPU: VerifyAll knows it statically, others sync once.
+        L = K if verifier.static_length else int(ell.max())
+        tokens, q = tokens[:, :L], None if proposal.q is None else proposal.q[:, :L]
+        inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, L+1)
+        out = host.step(cache, inputs, ell + 1, taps=taps, attend=int(cache_len.max()) + L + 1)
+        logits = host.logits(out.hidden)  # (B, L+1, V)
         finite = torch.isfinite(logits).flatten(1).all(1)
-        if proposal.q is not None:
-            finite = finite & torch.isfinite(proposal.q).flatten(1).all(1)
+        if q is not None:
+            finite = finite & torch.isfinite(q).flatten(1).all(1)
         # 4 accept
-        positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(K + 1, device=device)  # (B, K+1)
+        positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=device)  # (B, L+1)
         if sampling.greedy:
             acc = greedy_accept(logits.argmax(-1), tokens, ell)
             nxt = acc.next_token
         else:
-            p = process(logits, sampling)  # (B, K+1, V)
-            u = uniform(state.seeds, positions[:, :K], STREAM_ACCEPT)  # (B, K)
-            acc = rejection_sample(p, proposal.q, tokens, ell, u)
+            p = process(logits, sampling)  # (B, L+1, V)
+            u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (B, L)
+            acc = rejection_sample(p, q, tokens, ell, u)
             nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
         n_acc = acc.n_accepted
         # 5 commit: accepted drafts then the next token, written after the anchor
@@ -253,7 +265,15 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         log.committed.append(committed_before - remaining)
         log.confidence.append(None if proposal.confidence is None else proposal.confidence.float().cpu())
         log.batch.append(B)
+        log.time.append(time.perf_counter() - t0)
+        _record_finished(live, request, latency, batch_start)
         rounds += 1
+
+
+def _record_finished(live: torch.Tensor, request: torch.Tensor, latency: list[float], batch_start: float) -> None:
+    now = time.perf_counter()
+    for r in request[~live].tolist():
+        latency[r] = now - batch_start
 
 
 def _draw(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, position: torch.Tensor):

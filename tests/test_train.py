@@ -174,7 +174,10 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert [s for _, s, _ in resumed] == list(range(1, 25))
     (steady,) = parse([TrainConfig], [*flags[:1], str(tmp_path / "steady"), *flags[2:]])
     reference = losses(train(steady).parent)
-    assert max(abs(x - y) for (_, _, x), (_, _, y) in zip(reference, resumed)) < 1e-6
+    # why relative 1e-5, not exact: the pre-kill steps ran in a subprocess whose intra-op thread pool may split
+    # reductions differently from this process; a wrong data order or lost optimizer state moves losses by >1e-2
+    diffs = [(s, abs(x - y) / abs(y)) for (_, s, x), (_, _, y) in zip(reference, resumed)]
+    assert max(d for _, d in diffs) < 1e-5, diffs
     print(f"killed {'during a checkpoint write' if mid_write else 'between checkpoint writes'}")
 
 

@@ -17,6 +17,9 @@ class Verifier:
     name: str = "verifier"
     #: False only for the deliberately biased global search kept for the losslessness demonstration
     lossless: bool = True
+    #: True when every length is K (or the drafter's own lengths): the decode loop then sizes the verify
+    #: forward as K + 1 without reading the lengths back from the device
+    static_length: bool = False
 
     def begin(self, *, batch_size: int) -> None:
         """Reset per-batch state."""

@@ -14,6 +14,7 @@ class VerifyAll(Verifier):
     """ell_b = K, or the drafter's own `proposal.lengths` when it proposed fewer. Trivially lossless."""
 
     name = "full"
+    static_length = True
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         if proposal.lengths is not None:

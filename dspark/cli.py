@@ -1,0 +1,279 @@
+"""`dspark <command> ...`: the console script. Every command's flags are typed dataclass fields (dspark.config),
+so `--config run.yaml` works everywhere and unknown keys are errors.
+
+    dspark quickstart [--size ci|small|full]        train a small DSpark drafter, evaluate, write a report
+    dspark generate --prompt "..." [--drafter ngram|dspark|... | --drafter-path DIR] [--json]
+    dspark eval --drafter-path DIR --data sharegpt --temperature 1 --json
+    dspark train / regenerate                     see dspark.train, dspark.regenerate
+    dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
+    dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
+    dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from dspark.config import ConfigError, parse
+
+
+@dataclass
+class HostOptions:
+    host: str = field(default="smollm2", metadata={"help": "host: smollm2, random:<shape>, a directory or a cached hub id"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
+
+
+@dataclass
+class DecodeOptions:
+    drafter: str = field(default="none", metadata={
+        "help": "none (plain decoding), ngram, dspark, dflash, mtp, eagle3, small-lm; with --drafter-path the "
+                "checkpoint's weights, without it random weights (a warning)"})
+    drafter_path: Optional[str] = field(default=None, metadata={"help": "a save_pretrained drafter directory"})
+    verifier: Literal["full", "threshold", "scheduler", "lagged"] = field(default="full", metadata={
+        "help": "how many drafts each request verifies per round"})
+    threshold: Optional[float] = field(default=None, metadata={"help": "confidence threshold (--verifier threshold)"})
+    cost_table: Optional[str] = field(default=None, metadata={
+        "help": "SPS(B) JSON from `dspark profile` (--verifier scheduler|lagged)"})
+    calibration: Optional[str] = field(default=None, metadata={
+        "help": "STS JSON from `dspark calibrate` (default: the drafter directory's calibration.json)"})
+    draft_length: int = field(default=7, metadata={"help": "gamma: draft tokens proposed per round"})
+    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request at most"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 = off"})
+    top_k: int = field(default=0, metadata={"help": "0 = off"})
+    seed: int = field(default=0, metadata={"help": "request i is seeded with seed + i"})
+    batch_size: Optional[int] = field(default=None, metadata={"help": "requests decoded together (default: all)"})
+
+
+@dataclass
+class GenerateOptions:
+    prompt: list[str] = field(default_factory=list, metadata={"help": "prompt text (repeat the flag for a batch)"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object {outputs, stats}"})
+    chat: bool = field(default=True, metadata={"help": "wrap prompts in the tokenizer's chat template"})
+
+
+@dataclass
+class EvalOptions:
+    data: str = field(default="sharegpt", metadata={"help": "sharegpt, humaneval, a .jsonl file or a datasets dir"})
+    split: Literal["train", "heldout", "all"] = field(default="heldout", metadata={"help": "which split's prompts"})
+    limit: int = field(default=32, metadata={"help": "prompts evaluated"})
+    max_prompt_length: int = field(default=512, metadata={"help": "skip prompts longer than this many tokens"})
+    output: Optional[str] = field(default=None, metadata={"help": "also write the metrics JSON here"})
+    json: bool = field(default=False, metadata={"help": "print the metrics as one JSON object"})
+
+
+@dataclass
+class ProfileOptions:
+    out: str = field(default="cost.json", metadata={"help": "the SPS(B) table (JSON; a .csv beside it)"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32],
+                                   metadata={"help": "requests per step to time"})
+    tokens_per_request: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={
+        "help": "tokens per request per step (1 + verified drafts)"})
+    context: int = field(default=256, metadata={"help": "cache positions per request"})
+    repeats: int = field(default=10, metadata={"help": "timed steps per point (median kept)"})
+    warmup: int = field(default=3, metadata={"help": "untimed steps per point"})
+    engine_json: Optional[str] = field(default=None, metadata={
+        "help": "also export the engine-neutral scheduling JSON (with --calibration's STS temperatures)"})
+    calibration: Optional[str] = field(default=None, metadata={"help": "STS JSON to include in --engine-json"})
+
+
+@dataclass
+class CalibrateOptions:
+    out: Optional[str] = field(default=None, metadata={"help": "STS JSON (default: DRAFTER_PATH/calibration.json)"})
+    report: Optional[str] = field(default=None, metadata={
+        "help": "report JSON (default: beside --out); a reliability PNG is written next to it"})
+
+
+@dataclass
+class SweepOptions:
+    draft_lengths: list[int] = field(default_factory=lambda: [1, 3, 5, 7], metadata={"help": "gamma values"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrency values"})
+    out_dir: str = field(default="sweep", metadata={"help": "directory for sweep.json, sweep.md and sweep.png"})
+
+
+def _host(opts: HostOptions):
+    from dspark.api import load_host
+
+    return load_host(opts.host, dtype=opts.dtype, device=opts.device)
+
+
+def _decode_kwargs(d: DecodeOptions) -> dict:
+    return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
+                verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
+                draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
+                top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size)
+
+
+def cmd_generate(argv) -> int:
+    from dspark.api import generate
+
+    h, d, g = parse([HostOptions, DecodeOptions, GenerateOptions], argv, prog="dspark generate")
+    if not g.prompt:
+        raise ConfigError("give at least one --prompt")
+    host = _host(h)
+    out = generate(host, prompts=g.prompt, chat=g.chat, progress=not g.json, **_decode_kwargs(d))
+    stats = out.stats
+    if g.json:
+        print(json.dumps({"outputs": [{"text": t, "token_ids": ids, "finish_reason": r}
+                                      for t, ids, r in zip(out.texts, out.token_ids, out.result.finish_reasons)],
+                          "stats": stats}))
+    else:
+        for i, text in enumerate(out.texts):
+            print(f"--- [{i}] ---\n{text}")
+        print(f"tau {stats['tau']:.2f} | {stats['new_tokens']} tokens in {stats['rounds']} rounds, "
+              f"{stats['seconds']:.2f} s ({stats['tokens_per_s']:.1f} tok/s)")
+    return 0
+
+
+def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
+    """Token ids of up to `limit` prompts of the data split that fit `max_prompt_length`."""
+    from dspark.api import encode_prompts
+    from dspark.data import load_conversations, prompts
+
+    conversations = load_conversations(opts.data, split=opts.split, limit=max(4 * opts.limit, opts.limit + 16))
+    ids = [p for p in encode_prompts(host, prompts(conversations)) if len(p) <= opts.max_prompt_length]
+    if not ids:
+        raise ValueError(f"no prompt of {opts.data!r} ({opts.split}) fits --max-prompt-length {opts.max_prompt_length}")
+    return ids[: opts.limit]
+
+
+def cmd_eval(argv) -> int:
+    from dspark.api import generate
+    from dspark.metrics import summarize
+
+    h, d, e = parse([HostOptions, DecodeOptions, EvalOptions], argv, prog="dspark eval")
+    host = _host(h)
+    out = generate(host, prompts=eval_prompts(host, e), progress=not e.json, **_decode_kwargs(d))
+    metrics = {"host": h.host, "drafter": d.drafter, "drafter_path": d.drafter_path, "verifier": d.verifier,
+               "data": e.data, "split": e.split, "temperature": d.temperature,
+               **summarize(out.result, draft_length=d.draft_length)}
+    if e.output:
+        Path(e.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(e.output).write_text(json.dumps(metrics, indent=1) + "\n")
+    if e.json:
+        print(json.dumps(metrics))
+    else:
+        print(f"tau {metrics['tau']:.3f} over {metrics['request_rounds']} request-rounds "
+              f"({metrics['requests']} prompts); verify rate {metrics['verify_rate']:.3f}; "
+              f"{metrics['tokens_per_s']:.1f} tok/s")
+        print("conditional acceptance per position: "
+              + " ".join("nan" if math.isnan(a) else f"{a:.3f}" for a in metrics["conditional_acceptance"]))
+    return 0
+
+
+def cmd_profile(argv) -> int:
+    from verifiers.calibration import STSCalibrator
+    from verifiers.cost_model import export_engine_json, profile
+
+    h, p = parse([HostOptions, ProfileOptions], argv, prog="dspark profile")
+    host = _host(h)
+    cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
+                   warmup=p.warmup, max_len=p.context)
+    Path(p.out).parent.mkdir(parents=True, exist_ok=True)
+    cost.save(p.out)
+    cost.to_csv(Path(p.out).with_suffix(".csv"))
+    if p.engine_json:
+        sts = STSCalibrator.load(p.calibration).temperatures if p.calibration else None
+        export_engine_json(p.engine_json, cost=cost, sts_temperatures=sts)
+    print(f"wrote {p.out}: SPS at B = " + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
+    return 0
+
+
+def cmd_calibrate(argv) -> int:
+    from dspark.api import CALIBRATION_FILE, generate
+    from verifiers.calibration import STSCalibrator, calibration_report, outcomes_from_counts, reliability_diagram
+
+    h, d, e, c = parse([HostOptions, DecodeOptions, EvalOptions, CalibrateOptions], argv, prog="dspark calibrate")
+    if d.drafter_path is None:
+        raise ConfigError("dspark calibrate needs --drafter-path (the calibration is saved with the drafter)")
+    if d.verifier != "full":
+        raise ConfigError("calibrate on a verify-all rollout (--verifier full): it reaches every position up to the "
+                          "first rejection, which STS needs")
+    host = _host(h)
+    out = generate(host, prompts=eval_prompts(host, e), progress=True, **_decode_kwargs(d))
+    conf = out.result.log.confidences()
+    if conf is None:
+        raise ValueError(f"drafter {d.drafter_path} gives no confidences (no confidence head): nothing to calibrate")
+    accepted, reached = outcomes_from_counts(out.result.log.column("verified"), out.result.log.column("accepted"),
+                                             d.draft_length)
+    sts = STSCalibrator.fit(conf, accepted, reached)
+    target = Path(c.out or Path(d.drafter_path) / CALIBRATION_FILE)
+    sts.save(target)
+    report = calibration_report(conf, accepted, reached, calibrator=sts)
+    report_path = Path(c.report or target.with_name(target.stem + "_report.json"))
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    reliability_diagram(report_path.with_suffix(".png"), conf, accepted, reached, calibrator=sts)
+    before = report["before"]["survival"]["ece"]
+    after = report["after"]["survival"]["ece"]
+    print(f"wrote {target} (temperatures {[round(t, 3) for t in sts.temperatures]}), {report_path} and its PNG")
+    print("survival ECE per position, before -> after: "
+          + " ".join(f"{100 * b:.1f}->{100 * a:.1f}%" for b, a in zip(before, after)))
+    return 0
+
+
+def cmd_sweep(argv) -> int:
+    from experiments.sweep import run_sweep
+
+    h, d, e, s = parse([HostOptions, DecodeOptions, EvalOptions, SweepOptions], argv, prog="dspark sweep")
+    run_sweep(h, d, e, s, argv=argv)
+    return 0
+
+
+def cmd_train(argv) -> int:
+    from dspark.train import main_train
+
+    main_train(argv)
+    return 0
+
+
+def cmd_regenerate(argv) -> int:
+    from dspark.regenerate import main_regenerate
+
+    main_regenerate(argv)
+    return 0
+
+
+def cmd_quickstart(argv) -> int:
+    from dspark.quickstart import main_quickstart
+
+    main_quickstart(argv)
+    return 0
+
+
+COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
+            "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().split("\n\n", 1)[1] if "\n\n" in __doc__ else __doc__)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from dspark import __version__
+
+        print(__version__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"dspark: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](rest)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        # clear one-line errors for bad input; set DSPARK_TRACEBACK=1 to see the stack
+        import os
+
+        if os.environ.get("DSPARK_TRACEBACK"):
+            raise
+        print(f"dspark {command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
