@@ -121,7 +121,8 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     """Decode every prompt (lists of token ids); speculative when `drafter` is given, plain otherwise.
 
     Requests run in batches of `batch_size` (default: all at once). Request i is seeded with seeds[i] (default
-    seed + i). `on_tokens(i, new_ids)` is called as tokens of request i are committed (for streaming).
+    seed + i). `on_tokens(i, new_ids)` is called as tokens of request i are committed (for streaming); when it
+    returns True, request i finishes there (reason "stop"), which is how external stopping rules plug in.
     """
     n = len(prompts)
     limits = _per_request(max_new_tokens, n, "max_new_tokens")
@@ -299,7 +300,8 @@ def _commit_cpu(new: torch.Tensor, count: torch.Tensor, request: torch.Tensor, r
         remaining[b] -= len(take)
         if remaining[b] <= 0:
             live[b] = False
-        if on_tokens is not None and take:
-            on_tokens(int(request[b]), take)
+        if on_tokens is not None and take and on_tokens(int(request[b]), take) and live[b]:
+            reasons[int(request[b])] = "stop"  # the callback's own stopping rule (e.g. StoppingCriteria)
+            live[b] = False
         bar.update(len(take))
     return live
