@@ -55,6 +55,16 @@ def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto
     return Host(model, tokenizer, name=name_or_path)
 
 
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """A drafter checkpoint directory: `path` itself when it holds config.json, else the newest `checkpoint-*`
+    inside it (a `dspark train --output` directory), else `path` (loading then says what is missing)."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    found = sorted(p for p in path.glob("checkpoint-*") if (p / "config.json").is_file())
+    return found[-1] if found else path
+
+
 def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike | None = None, **overrides):
     """A drafter object from what a user typed: None / "none" (plain decoding: returns None), a Drafter
     object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory."""
@@ -69,16 +79,17 @@ def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike
             return None
         if drafter == "none":
             raise ValueError("--drafter none is plain decoding; it takes no --drafter-path")
-        return load_drafter(drafter_path, host)
+        return load_drafter(checkpoint_dir(drafter_path), host)
     if not isinstance(drafter, (str, os.PathLike)):
         raise TypeError(f"drafter must be a Drafter, a registered name or a checkpoint directory, got "
                         f"{type(drafter).__name__}")
     if str(drafter) in DRAFTERS:
-        return build_drafter(str(drafter), host, checkpoint=drafter_path, **overrides)
+        checkpoint = None if drafter_path is None or str(drafter) == "small-lm" else checkpoint_dir(drafter_path)
+        return build_drafter(str(drafter), host, checkpoint=checkpoint or drafter_path, **overrides)
     if Path(drafter).is_dir():
         if drafter_path is not None:
             raise ValueError(f"drafter {drafter!r} is already a checkpoint directory; drop drafter_path")
-        return load_drafter(drafter, host)
+        return load_drafter(checkpoint_dir(drafter), host)
     raise ValueError(f"unknown drafter {str(drafter)!r}: not a registered name ({', '.join(sorted(DRAFTERS))}, "
                      "none) nor an existing checkpoint directory")
 
@@ -96,7 +107,7 @@ def resolve_verifier(host: Host, verifier=None, *, draft_length: int = 7, drafte
         return verifier
     name = verifier or "full"
     if calibration is None and name != "full" and drafter_path is not None:
-        saved = Path(drafter_path) / CALIBRATION_FILE
+        saved = checkpoint_dir(drafter_path) / CALIBRATION_FILE
         calibration = saved if saved.is_file() else None
     return build_verifier(name, threshold=threshold, cost_table=cost_table, calibration=calibration,
                           expect_host=host.name, expect_device=host.device, positions=draft_length)

@@ -142,6 +142,16 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
     return ids[: opts.limit]
 
 
+def _drafter_label(d: DecodeOptions) -> str:
+    """The drafter's kind for reports: the flag, or the checkpoint's config.json kind when only a path is given."""
+    if d.drafter != "none" or d.drafter_path is None:
+        return d.drafter
+    from dspark.api import checkpoint_dir
+    from drafters.checkpoint import read_config
+
+    return read_config(checkpoint_dir(d.drafter_path))["kind"]
+
+
 def cmd_eval(argv) -> int:
     from dspark.api import generate
     from dspark.metrics import summarize
@@ -149,7 +159,7 @@ def cmd_eval(argv) -> int:
     h, d, e = parse([HostOptions, DecodeOptions, EvalOptions], argv, prog="dspark eval")
     host = _host(h)
     out = generate(host, prompts=eval_prompts(host, e), progress=not e.json, **_decode_kwargs(d))
-    metrics = {"host": h.host, "drafter": d.drafter, "drafter_path": d.drafter_path, "verifier": d.verifier,
+    metrics = {"host": h.host, "drafter": _drafter_label(d), "drafter_path": d.drafter_path, "verifier": d.verifier,
                "data": e.data, "split": e.split, "temperature": d.temperature,
                **summarize(out.result, draft_length=d.draft_length)}
     if e.output:
@@ -185,7 +195,7 @@ def cmd_profile(argv) -> int:
 
 
 def cmd_calibrate(argv) -> int:
-    from dspark.api import CALIBRATION_FILE, generate
+    from dspark.api import CALIBRATION_FILE, checkpoint_dir, generate
     from verifiers.calibration import STSCalibrator, calibration_report, outcomes_from_counts, reliability_diagram
 
     h, d, e, c = parse([HostOptions, DecodeOptions, EvalOptions, CalibrateOptions], argv, prog="dspark calibrate")
@@ -202,7 +212,7 @@ def cmd_calibrate(argv) -> int:
     accepted, reached = outcomes_from_counts(out.result.log.column("verified"), out.result.log.column("accepted"),
                                              d.draft_length)
     sts = STSCalibrator.fit(conf, accepted, reached)
-    target = Path(c.out or Path(d.drafter_path) / CALIBRATION_FILE)
+    target = Path(c.out or checkpoint_dir(d.drafter_path) / CALIBRATION_FILE)
     sts.save(target)
     report = calibration_report(conf, accepted, reached, calibrator=sts)
     report_path = Path(c.report or target.with_name(target.stem + "_report.json"))

@@ -33,7 +33,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
     from matplotlib.figure import Figure
 
     from dspark.api import load_host, resolve_drafter, resolve_verifier
-    from dspark.cli import eval_prompts
+    from dspark.cli import _drafter_label, eval_prompts
     from dspark.decode import generate
     from dspark.quickstart import environment
     from dspark.sampling import SamplingConfig
@@ -43,6 +43,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
                               else decode_opts.drafter, drafter_path=decode_opts.drafter_path)
     if drafter is None:
         raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
+    label = _drafter_label(decode_opts)
     base = eval_prompts(host, eval_opts)
     sampling = SamplingConfig(temperature=decode_opts.temperature, top_k=decode_opts.top_k, top_p=decode_opts.top_p)
     rows = []
@@ -58,7 +59,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
                                         cost_table=decode_opts.cost_table, calibration=decode_opts.calibration)
             result = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=gamma, **common)
             m = summarize(result, draft_length=gamma)
-            rows.append({"batch_size": B, "method": f"{decode_opts.drafter}/{decode_opts.verifier}", **m,
+            rows.append({"batch_size": B, "method": f"{label}/{decode_opts.verifier}", **m,
                          "speedup": m["tokens_per_s"] / plain["tokens_per_s"]})
             print(f"B={B:4d} gamma={gamma:2d} tau {m['tau']:.2f} speedup {rows[-1]['speedup']:.2f}", flush=True)
 
@@ -66,7 +67,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     env = environment(host.device)
     doc = {"command": "dspark sweep " + " ".join(argv or []), "environment": env, "host": host_opts.host,
-           "drafter": decode_opts.drafter, "drafter_path": decode_opts.drafter_path, "verifier": decode_opts.verifier,
+           "drafter": label, "drafter_path": decode_opts.drafter_path, "verifier": decode_opts.verifier,
            "temperature": decode_opts.temperature, "break_even_batch_size": break_even(rows), "results": rows}
     (out / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
     table = markdown_table(rows, [("batch_size", "B"), ("method", "method"), ("draft_length", "γ"), ("tau", "τ"),
@@ -82,7 +83,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
         ax.plot(*zip(*pts), marker="o", label=f"γ = {gamma}")
     ax.axhline(1.0, color="0.5", ls="--", lw=1)
     ax.set(xscale="log", xlabel="concurrency (batch size)", ylabel="tokens/s ÷ plain decoding",
-           title=f"{decode_opts.drafter} on {host_opts.host} ({env['gpu'] or 'CPU'})")
+           title=f"{label} on {host_opts.host} ({env['gpu'] or 'CPU'})")
     ax.legend()
     fig.savefig(out / "sweep.png", dpi=110)
     print(table)
