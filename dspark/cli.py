@@ -87,6 +87,9 @@ class CalibrateOptions:
     out: Optional[str] = field(default=None, metadata={"help": "STS JSON (default: DRAFTER_PATH/calibration.json)"})
     report: Optional[str] = field(default=None, metadata={
         "help": "report JSON (default: beside --out); a reliability PNG is written next to it"})
+    holdout: float = field(default=0.5, metadata={
+        "help": "share of the prompts kept out of the fit: the report's before/after is measured on them "
+                "(0 = fit and report on every prompt, an optimistic report)"})
 
 
 @dataclass
@@ -196,6 +199,8 @@ def cmd_profile(argv) -> int:
 
 def cmd_calibrate(argv) -> int:
     from dspark.api import CALIBRATION_FILE, checkpoint_dir, generate
+    import torch
+
     from verifiers.calibration import STSCalibrator, calibration_report, outcomes_from_counts, reliability_diagram
 
     h, d, e, c = parse([HostOptions, DecodeOptions, EvalOptions, CalibrateOptions], argv, prog="dspark calibrate")
@@ -204,6 +209,8 @@ def cmd_calibrate(argv) -> int:
     if d.verifier != "full":
         raise ConfigError("calibrate on a verify-all rollout (--verifier full): it reaches every position up to the "
                           "first rejection, which STS needs")
+    if not 0.0 <= c.holdout < 1.0:
+        raise ConfigError(f"--holdout must be in [0, 1), got {c.holdout}")
     host = _host(h)
     out = generate(host, prompts=eval_prompts(host, e), progress=True, **_decode_kwargs(d))
     conf = out.result.log.confidences()
@@ -211,19 +218,38 @@ def cmd_calibrate(argv) -> int:
         raise ValueError(f"drafter {d.drafter_path} gives no confidences (no confidence head): nothing to calibrate")
     accepted, reached = outcomes_from_counts(out.result.log.column("verified"), out.result.log.column("accepted"),
                                              d.draft_length)
-    sts = STSCalibrator.fit(conf, accepted, reached)
+    # split by request, not by round: rounds of one response are correlated, so a held-out report needs other prompts
+    request = out.result.log.column("request")
+    n_requests = len(out.token_ids)
+    n_test = int(round(c.holdout * n_requests))
+    test = request >= n_requests - n_test if n_test else torch.ones_like(request, dtype=torch.bool)
+    fit = ~test if n_test else test
+    if not bool(fit.any()) or not bool(test.any()):
+        raise ValueError(f"{n_requests} prompt(s) are too few to hold out {c.holdout:.0%}: raise --limit")
+    sts = STSCalibrator.fit(conf[fit], accepted[fit], reached[fit])
     target = Path(c.out or checkpoint_dir(d.drafter_path) / CALIBRATION_FILE)
     sts.save(target)
-    report = calibration_report(conf, accepted, reached, calibrator=sts)
+    report = calibration_report(conf[test], accepted[test], reached[test], calibrator=sts)
+    report.update(fit_requests=n_requests - n_test, report_requests=n_test or n_requests,
+                  fit_rounds=int(fit.sum()), report_rounds=int(test.sum()),
+                  mean_survival_ece={when: _nanmean(report[when]["survival"]["ece"]) for when in ("before", "after")})
     report_path = Path(c.report or target.with_name(target.stem + "_report.json"))
     report_path.write_text(json.dumps(report, indent=1) + "\n")
-    reliability_diagram(report_path.with_suffix(".png"), conf, accepted, reached, calibrator=sts)
+    reliability_diagram(report_path.with_suffix(".png"), conf[test], accepted[test], reached[test], calibrator=sts)
     before = report["before"]["survival"]["ece"]
     after = report["after"]["survival"]["ece"]
+    where = f"on {n_test} held-out prompts" if n_test else "on the fitting prompts"
     print(f"wrote {target} (temperatures {[round(t, 3) for t in sts.temperatures]}), {report_path} and its PNG")
-    print("survival ECE per position, before -> after: "
-          + " ".join(f"{100 * b:.1f}->{100 * a:.1f}%" for b, a in zip(before, after)))
+    print(f"survival ECE per position {where}, before -> after: "
+          + " ".join(f"{100 * b:.1f}->{100 * a:.1f}%" for b, a in zip(before, after))
+          + f"; mean {100 * report['mean_survival_ece']['before']:.2f}% -> "
+            f"{100 * report['mean_survival_ece']['after']:.2f}%")
     return 0
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def cmd_sweep(argv) -> int:

@@ -1,6 +1,8 @@
 """Sequential Temperature Scaling and the calibration metrics on synthetic rollout logs."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -108,3 +110,27 @@ def test_reliability_diagram_png(tmp_path):
     path = tmp_path / "reliability.png"
     reliability_diagram(path, c, accepted, reached, calibrator=cal)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_cli_fits_on_some_prompts_and_reports_on_the_others(tmp_path, capsys):
+    """`dspark calibrate` on a saved random DSpark: STS JSON beside the drafter, a held-out report and its PNG."""
+    from test_regenerate import chat_host, write_conversations
+
+    from drafters import build_drafter
+    from dspark.cli import main
+
+    host = chat_host()
+    host.model.save_pretrained(tmp_path / "host")
+    host.tokenizer.save_pretrained(tmp_path / "host")
+    build_drafter("dspark", host, gamma=4, num_layers=1).save_pretrained(tmp_path / "drafter")
+    data = write_conversations(tmp_path / "chats.jsonl", 10)
+    argv = ["calibrate", "--host", str(tmp_path / "host"), "--device", "cpu", "--drafter-path", str(tmp_path / "drafter"),
+            "--data", data, "--split", "all", "--limit", "10", "--draft-length", "4", "--max-new-tokens", "12"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "drafter" / "calibration_report.json").read_text())
+    assert (report["fit_requests"], report["report_requests"]) == (5, 5)
+    assert report["fit_rounds"] > 0 and report["report_rounds"] > 0 and report["positions"] == 4
+    assert (tmp_path / "drafter" / "calibration_report.png").stat().st_size > 0
+    assert len(STSCalibrator.load(tmp_path / "drafter" / "calibration.json").temperatures) == 4
+    assert main(argv + ["--holdout", "1"]) == 1
+    assert "--holdout must be in [0, 1), got 1.0" in capsys.readouterr().err
