@@ -62,6 +62,8 @@ class EvalOptions:
     data: str = field(default="sharegpt", metadata={"help": "sharegpt, humaneval, a .jsonl file or a datasets dir"})
     split: Literal["train", "heldout", "all"] = field(default="heldout", metadata={"help": "which split's prompts"})
     limit: int = field(default=32, metadata={"help": "prompts evaluated"})
+    offset: int = field(default=0, metadata={
+        "help": "skip this many fitting prompts first (e.g. calibrate on prompts an eval does not use)"})
     max_prompt_length: int = field(default=512, metadata={"help": "skip prompts longer than this many tokens"})
     output: Optional[str] = field(default=None, metadata={"help": "also write the metrics JSON here"})
     json: bool = field(default=False, metadata={"help": "print the metrics as one JSON object"})
@@ -138,11 +140,15 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
     from dspark.api import encode_prompts
     from dspark.data import load_conversations, prompts
 
-    conversations = load_conversations(opts.data, split=opts.split, limit=max(4 * opts.limit, opts.limit + 16))
+    if opts.offset < 0 or opts.limit < 1:
+        raise ConfigError(f"--offset must be >= 0 and --limit >= 1, got {opts.offset} and {opts.limit}")
+    wanted = opts.offset + opts.limit
+    conversations = load_conversations(opts.data, split=opts.split, limit=max(4 * wanted, wanted + 16))
     ids = [p for p in encode_prompts(host, prompts(conversations)) if len(p) <= opts.max_prompt_length]
-    if not ids:
-        raise ValueError(f"no prompt of {opts.data!r} ({opts.split}) fits --max-prompt-length {opts.max_prompt_length}")
-    return ids[: opts.limit]
+    if len(ids) <= opts.offset:
+        raise ValueError(f"no prompt of {opts.data!r} ({opts.split}) fits --max-prompt-length {opts.max_prompt_length}"
+                         + (f" after skipping {opts.offset}" if opts.offset else ""))
+    return ids[opts.offset: wanted]
 
 
 def _drafter_label(d: DecodeOptions) -> str:
