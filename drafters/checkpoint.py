@@ -41,6 +41,20 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, or made for another host or architecture."""
 
 
+#: weight files that are pickles (torch.save); never loaded, since unpickling can run arbitrary code
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
+
+
+def _pickle_note(directory: Path) -> str:
+    """'; it holds X, a pickle file, which is never loaded ...' when the directory has pickled weights, else ''."""
+    found = sorted({p.name for pattern in PICKLE_PATTERNS for p in directory.glob(pattern) if p.is_file()})
+    if not found:
+        return ""
+    return (f"; it holds {', '.join(found)}: pickle files, which dspark never loads (unpickling can run "
+            "arbitrary code). Only safetensors weights with a JSON config.json are read; convert the weights "
+            "with safetensors.torch.save_file")
+
+
 def host_fingerprint(config) -> dict:
     """What a drafter's weights assume about its host, from its resolved config."""
     return {"vocab_size": config.host_vocab_size, "hidden_size": config.host_hidden_size,
@@ -133,7 +147,8 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise CheckpointError(f"no drafter checkpoint at {directory}: directory does not exist")
     path = directory / CONFIG_NAME
     if not path.is_file():
-        raise CheckpointError(f"no drafter checkpoint at {directory}: {CONFIG_NAME} is missing")
+        raise CheckpointError(f"no drafter checkpoint at {directory}: {CONFIG_NAME} is missing"
+                              + _pickle_note(directory))
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -158,7 +173,8 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     elif (directory / WEIGHTS_NAME).is_file():
         weight_map, files = None, [WEIGHTS_NAME]
     else:
-        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {INDEX_NAME}")
+        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_NAME} or {INDEX_NAME}"
+                              + _pickle_note(directory))
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         path = directory / file

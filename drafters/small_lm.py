@@ -22,6 +22,17 @@ from dspark.kv_cache import KVCache
 from dspark.sampling import STREAM_DRAFT, process, sample
 
 
+def check_same_tokenizer(tokenizer, host, *, source: str) -> None:
+    """Refuse a drafter tokenizer whose token -> id map differs from the host's (same size is not enough)."""
+    mine, theirs = tokenizer.get_vocab(), host.tokenizer.get_vocab()
+    differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
+    if differ:
+        t = differ[0]
+        raise ValueError(f"small-LM drafter tokenizer at {source} differs from host '{host.name}''s: {len(differ)} "
+                         f"token(s) map to other ids (e.g. {t!r}: {mine.get(t)} in the drafter's, {theirs.get(t)} "
+                         "in the host's); the drafter must share the host's tokenizer")
+
+
 class SmallLMDrafter(Drafter):
     """Drafts with a small causal LM of the host's vocabulary."""
 
@@ -40,9 +51,20 @@ class SmallLMDrafter(Drafter):
         """Load the small LM with transformers from a local directory or the local HF cache (never downloads)."""
         from transformers import AutoModelForCausalLM
 
+        from dspark.models import require_safetensors
+
+        if os.path.isdir(path_or_name):
+            require_safetensors(path_or_name)
         model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=dtype or host.dtype, local_files_only=True,
-                                                     attn_implementation="sdpa")
-        return cls(model, host)
+                                                     attn_implementation="sdpa", use_safetensors=True)
+        drafter = cls(model, host)
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if host.tokenizer is not None and os.path.isdir(path_or_name) and any(
+                os.path.exists(os.path.join(path_or_name, f)) for f in tokenizer_files):
+            from transformers import AutoTokenizer
+
+            check_same_tokenizer(AutoTokenizer.from_pretrained(path_or_name), host, source=str(path_or_name))
+        return drafter
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Save the small LM with its own `save_pretrained` (config.json + safetensors)."""

@@ -7,7 +7,8 @@ drafting). See README.md.
 """
 __version__ = "0.1.0"
 
-from dspark.api import Generation, encode_prompts, generate, load_host, resolve_drafter, resolve_verifier
+from dspark.api import (Generation, encode_prompts, generate, load_host, resolve_drafter, resolve_verifier,
+                        set_deterministic)
 
 __all__ = ["Generation", "encode_prompts", "generate", "load_host", "resolve_drafter", "resolve_verifier",
-           "__version__"]
+           "set_deterministic", "__version__"]

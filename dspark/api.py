@@ -43,6 +43,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def set_deterministic(enabled: bool = True) -> None:
+    """Deterministic mode (docs/RELIABILITY.md): the same inputs, seeds, batch composition, device and software
+    give bitwise-identical outputs, and an op without a deterministic kernel raises instead of varying.
+
+    Sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless already set; cuBLAS reads it when CUDA starts, so call this
+    before the host is loaded), torch.use_deterministic_algorithms, cudnn deterministic without autotuning, and
+    turns TF32 off (fp32 matmuls and convolutions in full precision). `enabled=False` restores torch's defaults.
+    Sampling noise needs none of this: it is counter-based (dspark.sampling), never a stateful generator.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = not enabled  # torch's default is True for convolutions
+    torch.backends.cuda.matmul.allow_tf32 = False  # torch's default is False for matmuls
+    torch.set_float32_matmul_precision("highest")
+
+
 def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto",
               device: str | torch.device = "auto") -> Host:
     """The host model `name_or_path` (see dspark.models: "smollm2", a local directory, a cached hub id or

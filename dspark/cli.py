@@ -26,6 +26,9 @@ class HostOptions:
     host: str = field(default="smollm2", metadata={"help": "host: smollm2, random:<shape>, a directory or a cached hub id"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
+    deterministic: bool = field(default=False, metadata={
+        "help": "deterministic kernels, no TF32, CUBLAS_WORKSPACE_CONFIG set (dspark.api.set_deterministic; "
+                "docs/RELIABILITY.md says what it guarantees)"})
 
 
 @dataclass
@@ -62,6 +65,8 @@ class EvalOptions:
     data: str = field(default="sharegpt", metadata={"help": "sharegpt, humaneval, a .jsonl file or a datasets dir"})
     split: Literal["train", "heldout", "all"] = field(default="heldout", metadata={"help": "which split's prompts"})
     limit: int = field(default=32, metadata={"help": "prompts evaluated"})
+    on_error: Literal["skip", "raise"] = field(default="skip", metadata={
+        "help": "malformed data records: skip them (each logged as file:line) or raise at the first (file:line)"})
     offset: int = field(default=0, metadata={
         "help": "skip this many fitting prompts first (e.g. calibrate on prompts an eval does not use)"})
     max_prompt_length: int = field(default=512, metadata={"help": "skip prompts longer than this many tokens"})
@@ -102,8 +107,10 @@ class SweepOptions:
 
 
 def _host(opts: HostOptions):
-    from dspark.api import load_host
+    from dspark.api import load_host, set_deterministic
 
+    if opts.deterministic:
+        set_deterministic()  # before the host is loaded: cuBLAS reads its workspace setting when CUDA starts
     return load_host(opts.host, dtype=opts.dtype, device=opts.device)
 
 
@@ -143,7 +150,8 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
     if opts.offset < 0 or opts.limit < 1:
         raise ConfigError(f"--offset must be >= 0 and --limit >= 1, got {opts.offset} and {opts.limit}")
     wanted = opts.offset + opts.limit
-    conversations = load_conversations(opts.data, split=opts.split, limit=max(4 * wanted, wanted + 16))
+    conversations = load_conversations(opts.data, split=opts.split, limit=max(4 * wanted, wanted + 16),
+                                       on_error=opts.on_error)
     ids = [p for p in encode_prompts(host, prompts(conversations)) if len(p) <= opts.max_prompt_length]
     if len(ids) <= opts.offset:
         raise ValueError(f"no prompt of {opts.data!r} ({opts.split}) fits --max-prompt-length {opts.max_prompt_length}"
@@ -190,6 +198,8 @@ def cmd_profile(argv) -> int:
     from verifiers.cost_model import export_engine_json, profile
 
     h, p = parse([HostOptions, ProfileOptions], argv, prog="dspark profile")
+    # why first: a bad --calibration must fail before anything is written (no partial outputs)
+    sts = STSCalibrator.load(p.calibration).temperatures if p.engine_json and p.calibration else None
     host = _host(h)
     cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
                    warmup=p.warmup, max_len=p.context)
@@ -197,7 +207,6 @@ def cmd_profile(argv) -> int:
     cost.save(p.out)
     cost.to_csv(Path(p.out).with_suffix(".csv"))
     if p.engine_json:
-        sts = STSCalibrator.load(p.calibration).temperatures if p.calibration else None
         export_engine_json(p.engine_json, cost=cost, sts_temperatures=sts)
     print(f"wrote {p.out}: SPS at B = " + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
     return 0

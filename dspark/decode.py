@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.acceptance import greedy_accept, rejection_sample
-from dspark.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, process, sample, uniform
+from dspark.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, check_finite, process, sample, uniform
 from drafters.base import DraftState, Drafter, Proposal
 
 
@@ -186,7 +186,10 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
     cache.advance(plen.to(device))
     cache_len += plen
     last = out.hidden.gather(1, (plen.to(device) - 1).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1]))
-    first = _draw(host.logits(last[:, 0]), sampling, state.seeds, state.seq_len)  # (B,)
+    first_logits = host.logits(last[:, 0])  # (B, V)
+    # why: argmax / sampling of NaN logits returns some token; refuse it like a round's non-finite logits
+    check_finite(first_logits, "host logits at prefill (before round 0)", request_ids=request)
+    first = _draw(first_logits, sampling, state.seeds, state.seq_len)  # (B,)
     state.seq.scatter_(1, state.seq_len.unsqueeze(1), first.unsqueeze(1))
     state.seq_len += 1
     drafter.begin(host=host, batch_size=B, max_len=max_len)

@@ -190,10 +190,28 @@ def _build_random(spec: str, *, dtype: torch.dtype, device: torch.device):
     return model, tokenizer
 
 
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")  # torch.save files: pickles, never loaded
+
+
+def require_safetensors(directory: str | os.PathLike) -> None:
+    """Refuse a model directory without safetensors weights (pickled *.bin / *.pt are never loaded)."""
+    directory = Path(directory)
+    if any(directory.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in directory.glob(pattern))
+    if pickles:
+        raise ValueError(f"no *.safetensors weights in {directory}: it holds {', '.join(pickles)}, pickle files, "
+                         "which are never loaded (unpickling can run arbitrary code); convert them to safetensors")
+    raise ValueError(f"no *.safetensors weights in {directory}")
+
+
 def _load_directory(directory: Path, *, dtype: torch.dtype, device: torch.device):
     config = AutoConfig.from_pretrained(directory)
     check_supported(config)  # before reading gigabytes of weights
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    require_safetensors(directory)
+    # why use_safetensors: never fall back to pickled weights (safetensors + JSON only; no trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                 use_safetensors=True)
     model.to(device)
     has_tokenizer = any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else None

@@ -48,6 +48,8 @@ class RegenerateConfig:
     data: str = field(default="sharegpt", metadata={"help": "conversations to take prompts from (see dspark.data)"})
     split: Literal["train", "heldout", "all"] = field(default="train", metadata={"help": "which split's prompts"})
     limit: Optional[int] = field(default=None, metadata={"help": "use at most this many conversations"})
+    on_error: Literal["skip", "raise"] = field(default="skip", metadata={
+        "help": "malformed data records: skip them (each logged as file:line) or raise at the first (file:line)"})
     max_prompt_length: int = field(default=1024, metadata={"help": "skip prompts longer than this many tokens"})
     max_new_tokens: int = field(default=512, metadata={"help": "response length cap"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
@@ -115,7 +117,7 @@ def regenerate(cfg: RegenerateConfig, host: Host | None = None) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     done = completed_ids(output)
 
-    conversations = load_conversations(cfg.data, split=cfg.split, limit=cfg.limit)
+    conversations = load_conversations(cfg.data, split=cfg.split, limit=cfg.limit, on_error=cfg.on_error)
     todo, seen, too_long = [], set(done), 0
     for conversation, messages in zip(conversations, prompts(conversations)):
         if conversation.id in seen:  # done before, or a repeated id in the source: first occurrence wins

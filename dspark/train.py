@@ -79,6 +79,8 @@ class TrainConfig:
         "help": "conversations: sharegpt, humaneval, a .jsonl file, a saved datasets dir; or synthetic[:N] "
                 "(random-token documents, ONLY for tests and cost runs on random hosts without a tokenizer)"})
     data_limit: Optional[int] = field(default=None, metadata={"help": "use at most this many training conversations"})
+    on_error: Literal["skip", "raise"] = field(default="skip", metadata={
+        "help": "malformed data records: skip them (each logged as file:line) or raise at the first (file:line)"})
     heldout_fraction: float = field(default=0.02, metadata={"help": "fraction of conversations held out for eval"})
     max_length: int = field(default=2048, metadata={"help": "tokens kept per conversation (ShareGPT chats are long)"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per packed training sequence"})
@@ -145,7 +147,8 @@ def build_rows(cfg: TrainConfig, host: Host, *, split: Literal["train", "heldout
         if host.tokenizer is None:
             raise ValueError(f"host {cfg.host!r} has no tokenizer, so {cfg.data!r} cannot be tokenised; random hosts "
                              "train on --data synthetic (tests and cost runs only)")
-        conversations = load_conversations(cfg.data, split=split, heldout_fraction=cfg.heldout_fraction, limit=limit)
+        conversations = load_conversations(cfg.data, split=split, heldout_fraction=cfg.heldout_fraction, limit=limit,
+                                           on_error=cfg.on_error)
         chats = tokenize_conversations(host.tokenizer, conversations, max_length=cfg.max_length)
     # a conversation cut before its first response token trains nothing
     chats = [c for c in chats if sum(c.loss_mask) > 0 and len(c.input_ids) > 1]
