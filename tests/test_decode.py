@@ -221,7 +221,7 @@ class WhileEven(Verifier):
 
 MICRO_K = 3
 MICRO_PROMPT = [1, 5, 2, 1, 5, 2, 6]  # repeats: the n-gram drafter finds matches
-N_SEEDS = 12000
+N_SEEDS = 8000
 
 
 @functools.cache
@@ -259,9 +259,8 @@ VERIFIERS_UNDER_TEST = {
 
 
 @pytest.mark.parametrize("drafter_name,cfg_name,verifier_name", [
-    ("dspark", "T1", "full"), ("dspark", "T1", "fixed-1"), ("dspark", "T1", "random"),
-    ("dspark", "top-p", "full"), ("dspark", "top-p", "random"), ("dspark", "top-p", "while-even"),
-    ("ngram", "T1", "full"), ("ngram", "top-p", "random"),
+    ("dspark", "T1", "full"), ("dspark", "T1", "random"), ("dspark", "top-p", "fixed-1"),
+    ("dspark", "top-p", "while-even"), ("ngram", "T1", "random"), ("ngram", "top-p", "full"),
 ])
 def test_speculative_sampling_reproduces_host_distribution(micro_host, drafter_name, cfg_name, verifier_name):
     """Joint of generated tokens (1, 2) and of (2, 3) over N_SEEDS fixed seeds against the exact host
@@ -328,24 +327,44 @@ def test_per_request_max_new_tokens(tiny_host, drafter_name):
         assert int(log.column("committed")[log.column("request") == r].sum()) + 1 == m  # + the prefill token
 
 
+def mid_block_token(result, stops: set[int]) -> int | None:
+    """A token that some request generated for the first time inside a round's block, before that round's last
+    committed token, with no token of `stops` before it: as a further stop token it cuts that block short."""
+    log = result.log
+    start = {r: 1 for r in range(len(result.token_ids))}  # the prefill token is index 0
+    for r, c in zip(log.column("request").tolist(), log.column("committed").tolist()):
+        out = result.token_ids[r]
+        for j in range(start[r], start[r] + c - 1):
+            if not ({out[j]} | stops) & set(out[:j]) and out[j] not in stops:
+                return out[j]
+        start[r] += c
+    return None
+
+
 @pytest.mark.parametrize("drafter_name", ["none", "ngram", "dspark"])
 def test_stop_tokens_end_requests(tiny_host, drafter_name):
     drafter = None if drafter_name == "none" else make_drafter(drafter_name, tiny_host)
     prompts = batch8(tiny_host)
     full = [greedy_reference(tiny_host, tuple(p), NEW) for p in prompts]
-    # a token generated first by request 0 (it stops at once), and one generated later by request 3
-    stops = frozenset({full[0][0], full[3][min(8, NEW - 1)]})
+    # why: a prompt that holds the start of its own greedy continuation lets the n-gram drafter's accepted
+    # drafts be tokens the request has not generated yet, so a stop can fall inside an accepted block
+    prompts.append(prompts[3] + full[3][:10])
+    full.append(greedy_reference(tiny_host, tuple(prompts[8]), NEW))
+    kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=NEW)
+    # a token generated first by request 0 (it stops at once), one generated later by request 3, and (with a
+    # drafter) one that ends a request inside a round's accepted block
+    stops = {full[0][0], full[3][8]}
+    if drafter is not None:
+        stops.add(mid_block_token(generate(tiny_host, prompts, **kwargs), stops))
+    stops = frozenset(stops)
     want = [greedy_reference(tiny_host, tuple(p), NEW, stops) for p in prompts]
-    out = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=NEW, stop_token_ids=stops)
+    out = generate(tiny_host, prompts, stop_token_ids=stops, **kwargs)
     assert out.token_ids == want
     reasons = ["stop" if any(t in stops for t in w) else "length" for w in want]
     assert out.finish_reasons == reasons and "stop" in reasons and "length" in reasons
     assert out.token_ids[0] == [full[0][0]]
-    if drafter_name != "none":
-        # somewhere a stop cut a round's accepted block short (committed < accepted + 1)
-        log = out.log
-        cut = log.column("committed") < log.column("accepted") + 1
-        assert bool(cut.any()) or all(len(w) == NEW for w, r in zip(want, reasons) if r == "length")
+    if drafter is not None:  # a stop did cut a round's accepted block short (committed < accepted + 1)
+        assert bool((out.log.column("committed") < out.log.column("accepted") + 1).any())
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "dspark"])
