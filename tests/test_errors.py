@@ -440,3 +440,13 @@ def test_non_finite_draft_distribution_is_reported(tiny_host, temperature):
     with pytest.raises(FloatingPointError, match=r"in round 2 for request\(s\) \[1\]"):
         generate(tiny_host, random_prompts([4, 6, 8], 128), drafter=_NaNq(request=1, round_index=2), draft_length=2,
                  max_new_tokens=10, sampling=SamplingConfig(temperature=temperature))
+
+
+def test_reliability_doc_names_existing_tests():
+    """docs/RELIABILITY.md maps each guarantee to tests; every test it names must exist."""
+    doc = (ROOT / "docs" / "RELIABILITY.md").read_text()
+    refs = sorted(set(re.findall(r"(tests/\w+\.py)::(\w+)", doc)))
+    assert len(refs) > 40
+    missing = [f"{file}::{name}" for file, name in refs
+               if not re.search(rf"^def {name}\(", (ROOT / file).read_text(), re.M)]
+    assert not missing, missing
