@@ -129,9 +129,9 @@ SMOLLM2_TEXTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "Once upon a time, in a land far away, there lived a",
     "1, 2, 3, 4, 5, 6, 7, 8,",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again and",
     "Q: What is the boiling point of water at sea level?\nA:",
-    "import numpy as np\nimport torch\n\nx = torch.randn(3, 4)\ny =",
+    "Water boils at",
     "Hello",
 ]
 
