@@ -1,0 +1,290 @@
+"""The recorded SmolLM2 run on one H200: self-distil, train DSpark / DFlash / EAGLE-3, evaluate, calibrate, sweep.
+
+Every step is a `dspark` command (run in this process through `dspark.cli.main`, so Python and the host load once
+per phase) or `dspark train` in a subprocess (the three drafters train side by side on the one GPU). Every step
+skips or resumes what an earlier, interrupted call already finished, so a phase can simply be run again.
+
+    python experiments/runs/smollm2_h200.py prepare regenerate train     # phase A
+    python experiments/runs/smollm2_h200.py train evaluate collect       # phase B (train: finishes or no-ops)
+
+RUN (default /tmp/dspark-run) holds everything; `collect` packs the results into OUT (default $OUT) as at most
+eight files: results.json / results.md (every number of benchmarks/RESULTS.md), training_curves.png,
+calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.jsonl, eval JSONs, logs).
+Settings are the constants below; same data and the same budget for the three drafters, gamma = 7.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: importable here and in the training subprocesses
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+RUN = Path(os.environ.get("RUN", "/tmp/dspark-run"))
+OUT = Path(os.environ.get("OUT", RUN / "out"))
+DATA = RUN / "sharegpt_smollm2_regen.jsonl"
+GAMMA = 7
+STEPS = int(os.environ.get("STEPS", 800))
+REGEN = dict(limit=6144, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
+EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164, sweep_batches=[1, 8, 32, 128])
+SEQ = dict(seq_len=2048, batch_size=4, profile_batches=[1, 4, 16, 64, 128, 256])
+if os.environ.get("DRY_RUN"):  # the whole pipeline in minutes on a CPU, to check it before spending GPU time
+    STEPS = 4
+    REGEN = dict(limit=12, max_prompt_length=256, max_new_tokens=24, batch_size=12)
+    EVAL = dict(limit=4, max_prompt_length=256, max_new_tokens=16, humaneval=4, sweep_batches=[1, 4])
+    SEQ = dict(seq_len=256, batch_size=1, profile_batches=[1, 2])
+DRAFTERS = {  # the same backbone depth for DSpark and DFlash; EAGLE-3 as published (one layer, TTT = gamma)
+    "dspark": ["num_layers=3", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true"],
+    "dflash": ["num_layers=3", f"gamma={GAMMA}"],
+    "eagle3": [f"ttt_length={GAMMA}"],
+}
+COMMON = f"""host: smollm2
+data: {DATA}
+heldout_fraction: 0.02
+max_length: {SEQ["seq_len"]}
+seq_len: {SEQ["seq_len"]}
+batch_size: {SEQ["batch_size"]}
+grad_accum: 1
+lr: 6.0e-4
+weight_decay: 0.0
+warmup_ratio: 0.04
+max_grad_norm: 1.0
+max_steps: {STEPS}
+seed: 0
+save_every: {max(1, STEPS // 4)}
+keep_checkpoints: 1
+eval_every: {max(1, STEPS // 4)}
+eval_batches: {8 if STEPS > 10 else 1}
+bf16: true
+report_to: none
+"""
+SETS = {"sharegpt": ["--data", "sharegpt", "--split", "heldout"], "humaneval": ["--data", "humaneval", "--split", "all"]}
+T0 = time.time()
+
+
+def say(text: str) -> None:
+    print(f"[{time.time() - T0:6.0f} s] {text}", flush=True)
+
+
+def dspark(*argv: str) -> None:
+    from dspark.cli import main
+
+    say("dspark " + " ".join(argv))
+    if main(list(argv)) != 0:
+        raise SystemExit(f"step failed: dspark {' '.join(argv)}")
+
+
+def prepare() -> None:
+    from dspark.api import load_host
+
+    load_host("smollm2")  # converts the staged GGUF once (~25 s) into the cache
+
+
+def regenerate() -> None:
+    done = DATA.with_suffix(".done")
+    if done.exists():
+        return
+    dspark("regenerate", "--host", "smollm2", "--data", "sharegpt", "--split", "train", "--output", str(DATA),
+           "--limit", str(REGEN["limit"]), "--max-prompt-length", str(REGEN["max_prompt_length"]),
+           "--max-new-tokens", str(REGEN["max_new_tokens"]), "--temperature", "1.0", "--seed", "0",
+           "--batch-size", str(REGEN["batch_size"]))
+    done.write_text(f"{time.time() - T0:.0f}\n")
+    import torch
+
+    # the decoder's cache stays in this process's CUDA allocator: hand it back before the trainings start
+    # (without this the three trainings ran out of memory next to ~69 GiB held here)
+    torch.cuda.empty_cache()
+
+
+def train() -> None:
+    (RUN / "common.yaml").write_text(COMMON)
+    procs = {}
+    for name, args in DRAFTERS.items():
+        log = open(RUN / f"train_{name}.log", "a")
+        cmd = [sys.executable, "-m", "dspark.train", "--config", str(RUN / "common.yaml"), "--drafter", name,
+               "--output", str(RUN / name), "--drafter-args", *args]
+        say(" ".join(cmd))
+        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    for name, proc in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"training {name} failed: see {RUN}/train_{name}.log")
+        say(f"trained {name}")
+
+
+def _eval(tag: str, data: str, *extra: str, temperature: float = 0.0) -> None:
+    out = RUN / "eval" / f"{tag}_{data}_T{temperature:g}.json"
+    if out.exists():
+        return
+    n = ["--limit", str(EVAL["humaneval"] if data == "humaneval" else EVAL["limit"])]
+    dspark("eval", "--host", "smollm2", *SETS[data], *n, "--max-prompt-length", str(EVAL["max_prompt_length"]),
+           "--max-new-tokens", str(EVAL["max_new_tokens"]), "--temperature", f"{temperature:g}",
+           "--draft-length", str(GAMMA), "--seed", "0", "--output", str(out), "--json", *extra)
+
+
+def evaluate() -> None:
+    from dspark.api import checkpoint_dir
+
+    ckpt = {name: str(checkpoint_dir(RUN / name)) for name in DRAFTERS}
+    cost = RUN / "cost.json"
+    if not cost.exists():
+        dspark("profile", "--host", "smollm2", "--out", str(cost), "--batch-sizes", *map(str, SEQ["profile_batches"]),
+               "--tokens-per-request", "1", "2", "4", "8", "--context", "512")
+    calibration = Path(ckpt["dspark"]) / "calibration.json"
+    if not calibration.exists():  # heldout prompts 128..383: disjoint from the evaluation's first 128
+        dspark("calibrate", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"],
+               "--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"]), "--max-new-tokens", str(EVAL["max_new_tokens"]),
+               "--temperature", "1", "--draft-length", str(GAMMA), "--holdout", "0.5")
+    dspark("profile", "--host", "smollm2", "--out", str(RUN / "cost_engine_src.json"), "--batch-sizes", "1",
+           "--tokens-per-request", "1", "--repeats", "1", "--warmup", "1", "--engine-json", str(RUN / "engine.json"),
+           "--calibration", str(calibration)) if not (RUN / "engine.json").exists() else None
+    for data in SETS:
+        _eval("plain", data, "--drafter", "none")
+        _eval("ngram", data, "--drafter", "ngram")
+        for temperature in (0.0, 1.0):
+            for name in DRAFTERS:
+                _eval(name, data, "--drafter-path", ckpt[name], temperature=temperature)
+            _eval("dspark-scheduler", data, "--drafter-path", ckpt["dspark"], "--verifier", "scheduler",
+                  "--cost-table", str(cost), temperature=temperature)
+    if not (RUN / "sweep" / "sweep.json").exists():
+        dspark("sweep", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"], "--limit",
+               str(EVAL["limit"]), "--max-new-tokens", str(EVAL["max_new_tokens"] // 2), "--draft-lengths", "1", "3",
+               "5", "7", "--batch-sizes", *map(str, EVAL["sweep_batches"]), "--out-dir", str(RUN / "sweep"))
+    for mode in ("default", "deterministic"):
+        target = RUN / f"determinism_{mode}.json"
+        if not target.exists():
+            env = dict(os.environ, **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if mode == "deterministic" else {}))
+            subprocess.run([sys.executable, __file__, "determinism", mode, ckpt["dspark"], str(target)], env=env,
+                           check=True)
+
+
+def determinism(mode: str, drafter_path: str, target: str) -> None:
+    """Same seed twice, and alone vs in a batch of 32: identical tokens? And the cost of deterministic kernels."""
+    import torch
+
+    import dspark
+    from dspark.cli import EvalOptions, eval_prompts
+
+    if mode == "deterministic":
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    host = dspark.load_host("smollm2")
+    drafter = dspark.resolve_drafter(host, drafter_path=drafter_path)
+    prompts = eval_prompts(host, EvalOptions(data="sharegpt", split="heldout", limit=min(32, EVAL["limit"] * 8)))
+    report = {"mode": mode, "torch": torch.__version__, "dtype": str(host.model.dtype)}
+    for temperature in (0.0, 1.0):
+        kw = dict(draft_length=GAMMA, max_new_tokens=EVAL["max_new_tokens"] // 2, temperature=temperature, seed=0)
+        runs = [dspark.generate(host, drafter, prompts, **kw) for _ in range(2)]
+        alone = [dspark.generate(host, drafter, [p], **dict(kw, seed=i)).token_ids[0] for i, p in enumerate(prompts[:4])]
+        report[f"T{temperature:g}"] = {
+            "same_across_runs": runs[0].token_ids == runs[1].token_ids,
+            "batch_invariant_first4": alone == runs[0].token_ids[:4],
+            "tokens_per_s": [r.stats["tokens_per_s"] for r in runs],
+        }
+    Path(target).write_text(json.dumps(report, indent=1) + "\n")
+    say(f"determinism {mode}: {report}")
+
+
+def _environment() -> dict:
+    import torch
+    import transformers
+
+    return {"machine": platform.node(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": "python experiments/runs/smollm2_h200.py " + " ".join(sys.argv[1:])}
+
+
+def _train_summary(name: str) -> dict:
+    records = [json.loads(line) for line in open(RUN / name / "metrics.jsonl")]
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    speed = [r["tokens_per_s"] for r in train if "tokens_per_s" in r]
+    return {"steps": train[-1]["step"] if train else 0, "final_train": train[-1] if train else None,
+            "final_eval": evals[-1] if evals else None,
+            "tokens_per_s_median": sorted(speed)[len(speed) // 2] if speed else None,
+            "peak_mem_gb": max((r.get("peak_mem_gb", 0) for r in train), default=None)}
+
+
+def _curves(path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 3.6), layout="constrained")
+    ax_loss, ax_tau = fig.subplots(1, 2)
+    for name in DRAFTERS:
+        records = [json.loads(line) for line in open(RUN / name / "metrics.jsonl")]
+        train = [r for r in records if r.get("kind") == "train" and "loss" in r]
+        evals = [r for r in records if r.get("kind") == "eval"]
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=name, lw=1)
+        tau_key = next((k for k in ("expected_tau", "tau") if evals and k in evals[0]), None)
+        if tau_key:
+            ax_tau.plot([r["step"] for r in evals], [r[tau_key] for r in evals], marker="o", label=name)
+    ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss (each drafter's own objective)")
+    ax_tau.set(xlabel="step", ylabel="expected tau (teacher-forced, held-out)", title="held-out acceptance")
+    for ax in (ax_loss, ax_tau):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def collect() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    evals = {p.stem: json.loads(p.read_text()) for p in sorted((RUN / "eval").glob("*.json"))}
+    results = {"environment": _environment(), "settings": {"gamma": GAMMA, "steps": STEPS, "regenerate": REGEN,
+                                                             "eval": EVAL, "drafters": DRAFTERS, "common": COMMON},
+               "train": {name: _train_summary(name) for name in DRAFTERS if (RUN / name / "metrics.jsonl").exists()},
+               "eval": evals}
+    for extra in ("determinism_default", "determinism_deterministic"):
+        if (RUN / f"{extra}.json").exists():
+            results[extra] = json.loads((RUN / f"{extra}.json").read_text())
+    cal = next(RUN.glob("dspark/checkpoint-*/calibration_report.json"), None)
+    if cal:
+        report = json.loads(cal.read_text())
+        results["calibration"] = {k: report[k] for k in ("fit_requests", "report_requests", "mean_survival_ece")}
+        results["calibration"]["survival_ece"] = {w: report[w]["survival"]["ece"] for w in ("before", "after")}
+        results["calibration"]["survival_auroc"] = {w: report[w]["survival"]["auroc"] for w in ("before", "after")}
+    if (RUN / "sweep" / "sweep.json").exists():
+        results["sweep"] = json.loads((RUN / "sweep" / "sweep.json").read_text())
+    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (OUT / "results.md").write_text(_table(evals))
+    if all((RUN / n / "metrics.jsonl").exists() for n in DRAFTERS):
+        _curves(OUT / "training_curves.png")
+    for src, dst in ((cal.with_suffix(".png") if cal else None, "calibration.png"),
+                     (RUN / "sweep" / "sweep.png", "sweep.png"), (RUN / "cost.json", "cost.json"),
+                     (RUN / "engine.json", "engine.json")):
+        if src is not None and src.exists():
+            (OUT / dst).write_bytes(src.read_bytes())
+    with tarfile.open(OUT / "details.tar.gz", "w:gz") as tar:
+        for path in [*RUN.glob("*/metrics.jsonl"), *RUN.glob("*.log"), *RUN.glob("eval/*.json"),
+                     *RUN.glob("sweep/*"), *RUN.glob("*/checkpoint-*/calibration*.json"), *RUN.glob("*.json"),
+                     RUN / "common.yaml"]:
+            if path.exists():
+                tar.add(path, arcname=str(path.relative_to(RUN)))
+    say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}")
+
+
+def _table(evals: dict) -> str:
+    lines = ["| run | tau | accepted/round | verify rate | tokens/s |", "| --- | --- | --- | --- | --- |"]
+    for tag, m in evals.items():
+        lines.append(f"| {tag} | {m['tau']:.3f} | {m.get('accepted_per_round', float('nan')):.3f} | "
+                     f"{m.get('verify_rate', float('nan')):.3f} | {m['tokens_per_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    RUN.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1:2] == ["determinism"]:
+        determinism(*sys.argv[2:5])
+        sys.exit(0)
+    steps = {"prepare": prepare, "regenerate": regenerate, "train": train, "evaluate": evaluate, "collect": collect}
+    for step in sys.argv[1:]:
+        say(f"== {step}")
+        steps[step]()
+    say("done")
