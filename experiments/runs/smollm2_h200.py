@@ -33,12 +33,12 @@ DATA = RUN / "sharegpt_smollm2_regen.jsonl"
 GAMMA = 7
 STEPS = int(os.environ.get("STEPS", 800))
 REGEN = dict(limit=6144, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
-EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164, sweep_batches=[1, 8, 32, 128])
+EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164, sweep_batches=[1, 16, 128], sweep_prompts=16)
 SEQ = dict(seq_len=2048, batch_size=4, profile_batches=[1, 4, 16, 64, 128, 256])
 if os.environ.get("DRY_RUN"):  # the whole pipeline in minutes on a CPU, to check it before spending GPU time
     STEPS = 4
     REGEN = dict(limit=12, max_prompt_length=256, max_new_tokens=24, batch_size=12)
-    EVAL = dict(limit=4, max_prompt_length=256, max_new_tokens=16, humaneval=4, sweep_batches=[1, 4])
+    EVAL = dict(limit=4, max_prompt_length=256, max_new_tokens=16, humaneval=4, sweep_batches=[1, 4], sweep_prompts=2)
     SEQ = dict(seq_len=256, batch_size=1, profile_batches=[1, 2])
 DRAFTERS = {  # the same backbone depth for DSpark and DFlash; EAGLE-3 as published (one layer, TTT = gamma)
     "dspark": ["num_layers=3", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true"],
@@ -103,19 +103,58 @@ def regenerate() -> None:
     torch.cuda.empty_cache()
 
 
+def _finished(name: str) -> bool:
+    metrics = RUN / name / "metrics.jsonl"
+    if not metrics.exists():
+        return False
+    steps = [json.loads(line).get("step", 0) for line in open(metrics) if line.strip()]
+    saved = [int(c.name.split("-")[1]) for c in (RUN / name).glob("checkpoint-*") if c.name.split("-")[1].isdigit()]
+    return bool(steps) and max(steps) >= STEPS and max(saved, default=0) >= STEPS
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
 def train() -> None:
+    """Start (or resume) the three trainings detached from this process, then wait for them up to TRAIN_WAIT_S.
+
+    A device call lasts at most 10 minutes, a training longer: the trainings run in their own sessions, so they
+    outlive the call that started them, and the next call's `train` finds them running (pid file) and waits again.
+    A training that died is started again and resumes from its last checkpoint (resume=auto).
+    """
     (RUN / "common.yaml").write_text(COMMON)
-    procs = {}
+    pids_file = RUN / "train_pids.json"
+    pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
     for name, args in DRAFTERS.items():
+        if _finished(name) or (name in pids and _alive(pids[name])):
+            continue
         log = open(RUN / f"train_{name}.log", "a")
         cmd = [sys.executable, "-m", "dspark.train", "--config", str(RUN / "common.yaml"), "--drafter", name,
                "--output", str(RUN / name), "--drafter-args", *args]
         say(" ".join(cmd))
-        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    for name, proc in procs.items():
-        if proc.wait() != 0:
-            raise SystemExit(f"training {name} failed: see {RUN}/train_{name}.log")
-        say(f"trained {name}")
+        pids[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True).pid
+    pids_file.write_text(json.dumps(pids))
+    deadline = time.time() + float(os.environ.get("TRAIN_WAIT_S", 1e9))
+    while time.time() < deadline:
+        running = [n for n in DRAFTERS if not _finished(n) and n in pids and _alive(pids[n])]
+        if not running:
+            break
+        time.sleep(10)
+    for name in DRAFTERS:
+        log = (RUN / f"train_{name}.log").read_text(errors="replace").replace("\r", "\n").splitlines()
+        say(f"{name}: {'finished' if _finished(name) else 'running' if _alive(pids.get(name, -1)) else 'STOPPED'}"
+            f" | {log[-1][-160:] if log else ''}")
+    unfinished = [n for n in DRAFTERS if not _finished(n)]
+    if unfinished and not any(_alive(pids.get(n, -1)) for n in unfinished):
+        raise SystemExit(f"trainings stopped before step {STEPS}: {unfinished}; see {RUN}/train_*.log")
+    if unfinished:
+        say(f"still training {unfinished}: run `train` again to keep waiting")
+        raise SystemExit(0)
 
 
 def _eval(tag: str, data: str, *extra: str, temperature: float = 0.0) -> None:
@@ -150,12 +189,14 @@ def evaluate() -> None:
         for temperature in (0.0, 1.0):
             for name in DRAFTERS:
                 _eval(name, data, "--drafter-path", ckpt[name], temperature=temperature)
-            _eval("dspark-scheduler", data, "--drafter-path", ckpt["dspark"], "--verifier", "scheduler",
-                  "--cost-table", str(cost), temperature=temperature)
-    if not (RUN / "sweep" / "sweep.json").exists():
+            if not os.environ.get("SKIP_SCHEDULER"):
+                _eval("dspark-scheduler", data, "--drafter-path", ckpt["dspark"], "--verifier", "scheduler",
+                      "--cost-table", str(cost), temperature=temperature)
+    if not (RUN / "sweep" / "sweep.json").exists() and not os.environ.get("SKIP_SWEEP"):
+        # a B = 1 point runs --limit prompts one after another: keep it small, larger B cycle the same prompts
         dspark("sweep", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"], "--limit",
-               str(EVAL["limit"]), "--max-new-tokens", str(EVAL["max_new_tokens"] // 2), "--draft-lengths", "1", "3",
-               "5", "7", "--batch-sizes", *map(str, EVAL["sweep_batches"]), "--out-dir", str(RUN / "sweep"))
+               str(EVAL["sweep_prompts"]), "--max-new-tokens", str(EVAL["max_new_tokens"] // 4), "--draft-lengths",
+               "3", "7", "--batch-sizes", *map(str, EVAL["sweep_batches"]), "--out-dir", str(RUN / "sweep"))
     for mode in ("default", "deterministic"):
         target = RUN / f"determinism_{mode}.json"
         if not target.exists():
