@@ -56,7 +56,7 @@ class Size:
 SIZES = {
     "ci": Size(train_conversations=48, max_steps=12, seq_len=256, batch_size=2, num_layers=1, max_anchors=16,
                eval_prompts=4, max_new_tokens=24, eval_batch=4, max_prompt_length=160),
-    "small": Size(train_conversations=400, max_steps=200, seq_len=512, batch_size=2, num_layers=2, max_anchors=48,
+    "small": Size(train_conversations=400, max_steps=180, seq_len=384, batch_size=2, num_layers=2, max_anchors=40,
                   eval_prompts=16, max_new_tokens=96, eval_batch=8, max_prompt_length=256),
     "full": Size(train_conversations=20000, max_steps=3000, seq_len=2048, batch_size=8, num_layers=3,
                  max_anchors=512, eval_prompts=128, max_new_tokens=256, eval_batch=32, max_prompt_length=1024),
