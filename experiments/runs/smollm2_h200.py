@@ -206,28 +206,40 @@ def evaluate() -> None:
 
 
 def determinism(mode: str, drafter_path: str, target: str) -> None:
-    """Same seed twice, and alone vs in a batch of 32: identical tokens? And the cost of deterministic kernels."""
+    """Same seed twice, and alone vs in a batch of 32: identical tokens? And the cost of deterministic kernels.
+
+    `drafter_path` "random" uses a randomly initialised DSpark drafter (tau ~ 1): the kernels, and so the cost of
+    deterministic mode, are the same as a trained one's; only the acceptance differs. Throughput is the median of
+    three timed runs after one warm-up run, for plain decoding and for speculative decoding."""
+    import statistics
+
     import torch
 
     import dspark
     from dspark.cli import EvalOptions, eval_prompts
 
     if mode == "deterministic":
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        dspark.set_deterministic()  # before the host loads: cuBLAS reads CUBLAS_WORKSPACE_CONFIG at CUDA start
     host = dspark.load_host("smollm2")
-    drafter = dspark.resolve_drafter(host, drafter_path=drafter_path)
-    prompts = eval_prompts(host, EvalOptions(data="sharegpt", split="heldout", limit=min(32, EVAL["limit"] * 8)))
-    report = {"mode": mode, "torch": torch.__version__, "dtype": str(host.model.dtype)}
+    drafter = dspark.resolve_drafter(host, "dspark") if drafter_path == "random" else \
+        dspark.resolve_drafter(host, drafter_path=drafter_path)
+    prompts = eval_prompts(host, EvalOptions(data="sharegpt", split="heldout", limit=min(32, EVAL["limit"]),
+                                             max_prompt_length=EVAL["max_prompt_length"]))
+    report = {"mode": mode, "torch": torch.__version__, "dtype": str(host.model.dtype), "drafter": drafter_path,
+              "prompts": len(prompts), "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
     for temperature in (0.0, 1.0):
         kw = dict(draft_length=GAMMA, max_new_tokens=EVAL["max_new_tokens"] // 2, temperature=temperature, seed=0)
-        runs = [dspark.generate(host, drafter, prompts, **kw) for _ in range(2)]
+        runs = [dspark.generate(host, drafter, prompts, **kw) for _ in range(4)]  # the first one warms up
+        plain = [dspark.generate(host, None, prompts, **kw) for _ in range(4)]
         alone = [dspark.generate(host, drafter, [p], **dict(kw, seed=i)).token_ids[0] for i, p in enumerate(prompts[:4])]
         report[f"T{temperature:g}"] = {
-            "same_across_runs": runs[0].token_ids == runs[1].token_ids,
+            "same_across_runs": all(r.token_ids == runs[0].token_ids for r in runs[1:]),
+            "plain_same_across_runs": all(r.token_ids == plain[0].token_ids for r in plain[1:]),
             "batch_invariant_first4": alone == runs[0].token_ids[:4],
+            "tau": runs[0].stats["tau"],
             "tokens_per_s": [r.stats["tokens_per_s"] for r in runs],
+            "tokens_per_s_median": statistics.median(r.stats["tokens_per_s"] for r in runs[1:]),
+            "plain_tokens_per_s_median": statistics.median(r.stats["tokens_per_s"] for r in plain[1:]),
         }
     Path(target).write_text(json.dumps(report, indent=1) + "\n")
     say(f"determinism {mode}: {report}")
