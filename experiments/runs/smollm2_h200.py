@@ -130,21 +130,29 @@ def train() -> None:
     (RUN / "common.yaml").write_text(COMMON)
     pids_file = RUN / "train_pids.json"
     pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
-    for name, args in DRAFTERS.items():
-        if _finished(name) or (name in pids and _alive(pids[name])):
-            continue
-        log = open(RUN / f"train_{name}.log", "a")
-        cmd = [sys.executable, "-m", "dspark.train", "--config", str(RUN / "common.yaml"), "--drafter", name,
-               "--output", str(RUN / name), "--drafter-args", *args]
-        say(" ".join(cmd))
-        pids[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True).pid
-    pids_file.write_text(json.dumps(pids))
+    restarts = dict.fromkeys(DRAFTERS, 0)
+
+    def launch() -> None:
+        for name, args in DRAFTERS.items():
+            if _finished(name) or (name in pids and _alive(pids[name])) or restarts[name] > 2:
+                continue
+            log = open(RUN / f"train_{name}.log", "a")
+            cmd = [sys.executable, "-m", "dspark.train", "--config", str(RUN / "common.yaml"), "--drafter", name,
+                   "--output", str(RUN / name), "--drafter-args", *args]
+            say(("restarting (it stopped): " if name in pids else "") + " ".join(cmd))
+            restarts[name] += name in pids
+            pids[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True).pid
+        pids_file.write_text(json.dumps(pids))
+
+    # why restarts: on the H200 one of three trainings once died at step 0 (its log was lost with the machine;
+    # most likely CUDA memory still held by the regeneration in this process); a restart resumes, up to twice
+    launch()
     deadline = time.time() + float(os.environ.get("TRAIN_WAIT_S", 1e9))
     while time.time() < deadline:
-        running = [n for n in DRAFTERS if not _finished(n) and n in pids and _alive(pids[n])]
-        if not running:
-            break
         time.sleep(10)
+        launch()  # restarts any that died
+        if not [n for n in DRAFTERS if not _finished(n) and _alive(pids.get(n, -1))]:
+            break
     for name in DRAFTERS:
         log = (RUN / f"train_{name}.log").read_text(errors="replace").replace("\r", "\n").splitlines()
         say(f"{name}: {'finished' if _finished(name) else 'running' if _alive(pids.get(name, -1)) else 'STOPPED'}"
