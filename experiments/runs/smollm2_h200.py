@@ -134,7 +134,7 @@ def train() -> None:
 
     def launch() -> None:
         for name, args in DRAFTERS.items():
-            if _finished(name) or (name in pids and _alive(pids[name])) or restarts[name] > 2:
+            if _finished(name) or (name in pids and _alive(pids[name])) or restarts[name] >= 2:
                 continue
             log = open(RUN / f"train_{name}.log", "a")
             cmd = [sys.executable, "-m", "dspark.train", "--config", str(RUN / "common.yaml"), "--drafter", name,
@@ -151,7 +151,7 @@ def train() -> None:
     while time.time() < deadline:
         time.sleep(10)
         launch()  # restarts any that died
-        if not [n for n in DRAFTERS if not _finished(n) and _alive(pids.get(n, -1))]:
+        if not any(not _finished(n) and _alive(pids.get(n, -1)) for n in DRAFTERS):
             break
     for name in DRAFTERS:
         log = (RUN / f"train_{name}.log").read_text(errors="replace").replace("\r", "\n").splitlines()
