@@ -180,24 +180,25 @@ def evaluate() -> None:
 
     ckpt = {name: str(checkpoint_dir(RUN / name)) for name in DRAFTERS}
     cost = RUN / "cost.json"
-    if not cost.exists():
+    scheduler = not os.environ.get("SKIP_SCHEDULER")  # SKIP_SCHEDULER=1: drafters' tau only (no profile/calibration)
+    if scheduler and not cost.exists():
         dspark("profile", "--host", "smollm2", "--out", str(cost), "--batch-sizes", *map(str, SEQ["profile_batches"]),
                "--tokens-per-request", "1", "2", "4", "8", "--context", "512")
     calibration = Path(ckpt["dspark"]) / "calibration.json"
-    if not calibration.exists():  # heldout prompts 128..383: disjoint from the evaluation's first 128
+    if scheduler and not calibration.exists():  # heldout prompts 128..383: disjoint from the evaluation's first 128
         dspark("calibrate", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"],
                "--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"]), "--max-new-tokens", str(EVAL["max_new_tokens"]),
                "--temperature", "1", "--draft-length", str(GAMMA), "--holdout", "0.5")
     dspark("profile", "--host", "smollm2", "--out", str(RUN / "cost_engine_src.json"), "--batch-sizes", "1",
            "--tokens-per-request", "1", "--repeats", "1", "--warmup", "1", "--engine-json", str(RUN / "engine.json"),
-           "--calibration", str(calibration)) if not (RUN / "engine.json").exists() else None
+           "--calibration", str(calibration)) if scheduler and not (RUN / "engine.json").exists() else None
     for data in SETS:
         _eval("plain", data, "--drafter", "none")
         _eval("ngram", data, "--drafter", "ngram")
         for temperature in (0.0, 1.0):
             for name in DRAFTERS:
                 _eval(name, data, "--drafter-path", ckpt[name], temperature=temperature)
-            if not os.environ.get("SKIP_SCHEDULER"):
+            if scheduler:
                 _eval("dspark-scheduler", data, "--drafter-path", ckpt["dspark"], "--verifier", "scheduler",
                       "--cost-table", str(cost), temperature=temperature)
     if not (RUN / "sweep" / "sweep.json").exists() and not os.environ.get("SKIP_SWEEP"):
@@ -205,7 +206,7 @@ def evaluate() -> None:
         dspark("sweep", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"], "--limit",
                str(EVAL["sweep_prompts"]), "--max-new-tokens", str(EVAL["max_new_tokens"] // 4), "--draft-lengths",
                "3", "7", "--batch-sizes", *map(str, EVAL["sweep_batches"]), "--out-dir", str(RUN / "sweep"))
-    for mode in ("default", "deterministic"):
+    for mode in () if os.environ.get("SKIP_DETERMINISM") else ("default", "deterministic"):
         target = RUN / f"determinism_{mode}.json"
         if not target.exists():
             env = dict(os.environ, **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if mode == "deterministic" else {}))
