@@ -11,6 +11,12 @@ RUN (default /tmp/dspark-run) holds everything; `collect` packs the results into
 eight files: results.json / results.md (every number of benchmarks/RESULTS.md), training_curves.png,
 calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.jsonl, eval JSONs, logs).
 Settings are the constants below; same data and the same budget for the three drafters, gamma = 7.
+
+Environment knobs: STEPS (default 1600); TRAIN_WAIT_S (how long `train` waits in this call); ONLY=dspark,...
+(a subset of the drafters, e.g. one per session so that it trains alone on the GPU); REGEN_FROM=FILE[.gz] (copy a
+recorded regeneration instead of regenerating: experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03
+H200 one, 5482 prompts, sha256 of the plain JSONL 5b0bbce1...eef4802); SKIP_SCHEDULER / SKIP_SWEEP /
+SKIP_DETERMINISM (drafter tau only); DRY_RUN (the whole pipeline in minutes on a CPU).
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ RUN = Path(os.environ.get("RUN", "/tmp/dspark-run"))
 OUT = Path(os.environ.get("OUT", RUN / "out"))
 DATA = RUN / "sharegpt_smollm2_regen.jsonl"
 GAMMA = 7
-STEPS = int(os.environ.get("STEPS", 800))
+STEPS = int(os.environ.get("STEPS", 1600))  # the latest recorded run; the first one used STEPS=800
 REGEN = dict(limit=6144, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
 EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164, sweep_batches=[1, 16, 128], sweep_prompts=16)
 SEQ = dict(seq_len=2048, batch_size=4, profile_batches=[1, 4, 16, 64, 128, 256])
@@ -45,6 +51,8 @@ DRAFTERS = {  # the same backbone depth for DSpark and DFlash; EAGLE-3 as publis
     "dflash": ["num_layers=3", f"gamma={GAMMA}"],
     "eagle3": [f"ttt_length={GAMMA}"],
 }
+if os.environ.get("ONLY"):  # ONLY=dspark,eagle3: train / evaluate a subset (one drafter per session, alone on the GPU)
+    DRAFTERS = {name: DRAFTERS[name] for name in os.environ["ONLY"].split(",")}
 COMMON = f"""host: smollm2
 data: {DATA}
 heldout_fraction: 0.02
@@ -90,6 +98,16 @@ def prepare() -> None:
 def regenerate() -> None:
     done = DATA.with_suffix(".done")
     if done.exists():
+        return
+    if os.environ.get("REGEN_FROM"):  # reuse a recorded regeneration (experiments/data/), bit for bit: no GPU time
+        import gzip
+        import shutil
+
+        source = Path(os.environ["REGEN_FROM"])
+        with (gzip.open if source.suffix == ".gz" else open)(source, "rb") as src, open(DATA, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        done.write_text(f"copied from {source}\n")
+        say(f"regenerated data copied from {source}")
         return
     dspark("regenerate", "--host", "smollm2", "--data", "sharegpt", "--split", "train", "--output", str(DATA),
            "--limit", str(REGEN["limit"]), "--max-prompt-length", str(REGEN["max_prompt_length"]),
@@ -180,18 +198,20 @@ def evaluate() -> None:
 
     ckpt = {name: str(checkpoint_dir(RUN / name)) for name in DRAFTERS}
     cost = RUN / "cost.json"
-    scheduler = not os.environ.get("SKIP_SCHEDULER")  # SKIP_SCHEDULER=1: drafters' tau only (no profile/calibration)
-    if scheduler and not cost.exists():
-        dspark("profile", "--host", "smollm2", "--out", str(cost), "--batch-sizes", *map(str, SEQ["profile_batches"]),
-               "--tokens-per-request", "1", "2", "4", "8", "--context", "512")
-    calibration = Path(ckpt["dspark"]) / "calibration.json"
-    if scheduler and not calibration.exists():  # heldout prompts 128..383: disjoint from the evaluation's first 128
-        dspark("calibrate", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"],
-               "--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"]), "--max-new-tokens", str(EVAL["max_new_tokens"]),
-               "--temperature", "1", "--draft-length", str(GAMMA), "--holdout", "0.5")
-    dspark("profile", "--host", "smollm2", "--out", str(RUN / "cost_engine_src.json"), "--batch-sizes", "1",
-           "--tokens-per-request", "1", "--repeats", "1", "--warmup", "1", "--engine-json", str(RUN / "engine.json"),
-           "--calibration", str(calibration)) if scheduler and not (RUN / "engine.json").exists() else None
+    scheduler = "dspark" in DRAFTERS and not os.environ.get("SKIP_SCHEDULER")  # else the drafters' tau only
+    if scheduler:
+        if not cost.exists():
+            dspark("profile", "--host", "smollm2", "--out", str(cost), "--batch-sizes",
+                   *map(str, SEQ["profile_batches"]), "--tokens-per-request", "1", "2", "4", "8", "--context", "512")
+        calibration = Path(ckpt["dspark"]) / "calibration.json"
+        if not calibration.exists():  # heldout prompts 128..383: disjoint from the evaluation's first 128
+            dspark("calibrate", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"],
+                   "--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"]), "--max-new-tokens",
+                   str(EVAL["max_new_tokens"]), "--temperature", "1", "--draft-length", str(GAMMA), "--holdout", "0.5")
+        if not (RUN / "engine.json").exists():
+            dspark("profile", "--host", "smollm2", "--out", str(RUN / "cost_engine_src.json"), "--batch-sizes", "1",
+                   "--tokens-per-request", "1", "--repeats", "1", "--warmup", "1", "--engine-json",
+                   str(RUN / "engine.json"), "--calibration", str(calibration))
     for data in SETS:
         _eval("plain", data, "--drafter", "none")
         _eval("ngram", data, "--drafter", "ngram")
@@ -201,12 +221,12 @@ def evaluate() -> None:
             if scheduler:
                 _eval("dspark-scheduler", data, "--drafter-path", ckpt["dspark"], "--verifier", "scheduler",
                       "--cost-table", str(cost), temperature=temperature)
-    if not (RUN / "sweep" / "sweep.json").exists() and not os.environ.get("SKIP_SWEEP"):
+    if "dspark" in DRAFTERS and not (RUN / "sweep" / "sweep.json").exists() and not os.environ.get("SKIP_SWEEP"):
         # a B = 1 point runs --limit prompts one after another: keep it small, larger B cycle the same prompts
         dspark("sweep", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"], "--limit",
                str(EVAL["sweep_prompts"]), "--max-new-tokens", str(EVAL["max_new_tokens"] // 4), "--draft-lengths",
                "3", "7", "--batch-sizes", *map(str, EVAL["sweep_batches"]), "--out-dir", str(RUN / "sweep"))
-    for mode in () if os.environ.get("SKIP_DETERMINISM") else ("default", "deterministic"):
+    for mode in () if os.environ.get("SKIP_DETERMINISM") or "dspark" not in DRAFTERS else ("default", "deterministic"):
         target = RUN / f"determinism_{mode}.json"
         if not target.exists():
             env = dict(os.environ, **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if mode == "deterministic" else {}))
@@ -280,7 +300,7 @@ def _curves(path: Path) -> None:
 
     fig = Figure(figsize=(11, 3.6), layout="constrained")
     ax_loss, ax_tau = fig.subplots(1, 2)
-    for name in DRAFTERS:
+    for name in [n for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()]:
         records = [json.loads(line) for line in open(RUN / name / "metrics.jsonl")]
         train = [r for r in records if r.get("kind") == "train" and "loss" in r]
         evals = [r for r in records if r.get("kind") == "eval"]
@@ -316,7 +336,7 @@ def collect() -> None:
         results["sweep"] = json.loads((RUN / "sweep" / "sweep.json").read_text())
     (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (OUT / "results.md").write_text(_table(evals))
-    if all((RUN / n / "metrics.jsonl").exists() for n in DRAFTERS):
+    if any((RUN / n / "metrics.jsonl").exists() for n in DRAFTERS):
         _curves(OUT / "training_curves.png")
     for src, dst in ((cal.with_suffix(".png") if cal else None, "calibration.png"),
                      (RUN / "sweep" / "sweep.png", "sweep.png"), (RUN / "cost.json", "cost.json"),
