@@ -13,7 +13,8 @@ The contract a drafter class meets to use this module (mix in `Checkpointable`):
   kind: str                  the name config.json records and `drafters.load_drafter` dispatches on
   config_class: type         a dataclass with `feature_layers` and host_vocab_size, host_hidden_size,
                              host_num_layers, host_model_type, host_name (filled from the host when built)
-  cls(host, config)          builds the module; `self.config` holds the resolved config
+  cls(host, config)          builds the module; `self.config` holds the resolved config (`bind_host` does
+                             the host part: resolve, check the host, keep the shared frozen modules)
 Writes are atomic: everything goes to a temporary sibling directory which then replaces `dir`, so a crash
 mid-write leaves the previous checkpoint intact.
 """
@@ -25,10 +26,13 @@ import os
 import shutil
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from drafters.blocks import SharedHost
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -60,6 +64,34 @@ def host_fingerprint(config) -> dict:
     return {"vocab_size": config.host_vocab_size, "hidden_size": config.host_hidden_size,
             "num_layers": config.host_num_layers, "model_type": config.host_model_type,
             "feature_layers": list(config.feature_layers), "name": config.host_name}
+
+
+@dataclass(kw_only=True)
+class HostFields:
+    """Base of a drafter config: the host fingerprint of the contract above (None until `with_host` fills it in
+    from the host the drafter is built for; checked against every host the drafter meets). The subclass declares
+    `feature_layers` itself, with its own default rule."""
+
+    host_vocab_size: int | None = None  # host fingerprint, filled from the host when built
+    host_hidden_size: int | None = None
+    host_num_layers: int | None = None
+    host_model_type: str | None = None
+    host_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.feature_layers is not None:
+            self.feature_layers = tuple(self.feature_layers)  # JSON, YAML and the CLI give lists
+
+
+def with_host(config, host, feature_layers):
+    """`config` with the contract's host fields filled in from `host` (fields already set are kept, so a loaded
+    checkpoint's fingerprint survives) and `feature_layers` as the taps when it names none."""
+    return dataclasses.replace(config, feature_layers=config.feature_layers or tuple(feature_layers),
+                               host_vocab_size=config.host_vocab_size or host.vocab_size,
+                               host_hidden_size=config.host_hidden_size or host.hidden_size,
+                               host_num_layers=config.host_num_layers or host.num_layers,
+                               host_model_type=config.host_model_type or host.config.model_type,
+                               host_name=config.host_name or host.name)
 
 
 def check_host(fingerprint: dict, host, *, source: str) -> None:
@@ -237,6 +269,17 @@ class Checkpointable:
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
         """Write this drafter's checkpoint to `directory` (atomic replace)."""
         return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
+
+    def bind_host(self, host, config, *, source: str):
+        """Resolve `config` (None: the defaults) for `host`, refuse a host it does not fit, and keep the config, its
+        feature layers and the host's frozen shared modules on `self`. Returns the resolved config; call it right
+        after `nn.Module.__init__`."""
+        config = (config or self.config_class()).resolved(host)
+        check_host(host_fingerprint(config), host, source=source)
+        host.check_taps(config.feature_layers)
+        self.config, self.feature_layers = config, config.feature_layers
+        self.shared = SharedHost.of(host)
+        return config
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, host, **expected):

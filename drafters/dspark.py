@@ -23,15 +23,15 @@ Design choices:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, SharedHost, block_training_mask, cached_context,
+from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context,
                              document_positions, inference_mask)
-from drafters.checkpoint import Checkpointable, check_host, host_fingerprint
+from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
 from dspark.kv_cache import KVCache
 from dspark.sampling import STREAM_DRAFT, process, sample
@@ -50,7 +50,7 @@ def spread_layers(num_layers: int, m: int) -> tuple[int, ...]:
 
 
 @dataclass
-class DSparkConfig:
+class DSparkConfig(HostFields):
     """DSpark / DFlash drafter settings. The backbone layers copy the host's layer shape."""
 
     feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(L, m)
@@ -65,11 +65,6 @@ class DSparkConfig:
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
-    host_vocab_size: int | None = None  # host fingerprint, filled from the host when built
-    host_hidden_size: int | None = None
-    host_num_layers: int | None = None
-    host_model_type: str | None = None
-    host_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -77,18 +72,11 @@ class DSparkConfig:
         for name in ("num_feature_layers", "num_layers", "gamma", "rank", "max_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.feature_layers is not None:
-            self.feature_layers = tuple(self.feature_layers)
+        super().__post_init__()
 
     def resolved(self, host) -> "DSparkConfig":
         """This config with the host-dependent fields filled in from `host`."""
-        return replace(self, feature_layers=self.feature_layers or spread_layers(host.num_layers,
-                                                                                 self.num_feature_layers),
-                       host_vocab_size=self.host_vocab_size or host.vocab_size,
-                       host_hidden_size=self.host_hidden_size or host.hidden_size,
-                       host_num_layers=self.host_num_layers or host.num_layers,
-                       host_model_type=self.host_model_type or host.config.model_type,
-                       host_name=self.host_name or host.name)
+        return with_host(self, host, spread_layers(host.num_layers, self.num_feature_layers))
 
 
 def dflash_config(**overrides) -> DSparkConfig:
@@ -120,13 +108,8 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     def __init__(self, host, config: DSparkConfig | None = None) -> None:
         super().__init__()
-        config = (config or DSparkConfig()).resolved(host)
-        check_host(host_fingerprint(config), host, source="DSpark config")
-        host.check_taps(config.feature_layers)
-        self.config = config
+        config = self.bind_host(host, config, source="DSpark config")
         self.name = "dflash" if config.head == "none" else "dspark"
-        self.feature_layers = config.feature_layers
-        self.shared = SharedHost.of(host)
         shape = LayerShape.of(host)
         H, V, r, m = host.hidden_size, host.vocab_size, config.rank, len(config.feature_layers)
         self.fc = nn.Linear(m * H, H, bias=False)

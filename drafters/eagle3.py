@@ -28,7 +28,7 @@ with the host fingerprint; the host's embedding, LM head and rotary tables are b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
-from drafters.blocks import MLP, LayerShape, RMSNorm, SharedHost, document_positions, rope
-from drafters.checkpoint import Checkpointable, check_host, host_fingerprint
+from drafters.blocks import MLP, LayerShape, RMSNorm, document_positions, rope
+from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import per_position_mean, weighted_mean
 from dspark.kv_cache import KVCache
 from dspark.sampling import STREAM_DRAFT, process, sample
@@ -57,21 +57,15 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(HostFields):
     """EAGLE-3 drafter settings. The layer's shape (H, heads, MLP width, norms, RoPE) is the host's."""
 
     feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(L)
     ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to gamma)
     step_decay: float = 0.8  # weight of unrolled step j is step_decay**j
-    host_vocab_size: int | None = None  # host fingerprint, filled from the host when built
-    host_hidden_size: int | None = None
-    host_num_layers: int | None = None
-    host_model_type: str | None = None
-    host_name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.feature_layers is not None:
-            self.feature_layers = tuple(self.feature_layers)  # JSON and CLI give lists
+        super().__post_init__()
         if self.ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
         if not 0.0 < self.step_decay <= 1.0:
@@ -79,12 +73,7 @@ class Eagle3Config:
 
     def resolved(self, host) -> "Eagle3Config":
         """This config with the host-dependent fields filled in from `host`."""
-        return replace(self, feature_layers=self.feature_layers or eagle3_feature_layers(host.num_layers),
-                       host_vocab_size=self.host_vocab_size or host.vocab_size,
-                       host_hidden_size=self.host_hidden_size or host.hidden_size,
-                       host_num_layers=self.host_num_layers or host.num_layers,
-                       host_model_type=self.host_model_type or host.config.model_type,
-                       host_name=self.host_name or host.name)
+        return with_host(self, host, eagle3_feature_layers(host.num_layers))
 
 
 class Eagle3Layer(nn.Module):
@@ -135,12 +124,7 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
 
     def __init__(self, host, config: Eagle3Config | None = None) -> None:
         super().__init__()
-        config = (config or Eagle3Config()).resolved(host)
-        check_host(host_fingerprint(config), host, source="EAGLE-3 config")
-        host.check_taps(config.feature_layers)
-        self.config = config
-        self.feature_layers = config.feature_layers
-        self.shared = SharedHost.of(host)
+        config = self.bind_host(host, config, source="EAGLE-3 config")
         shape = LayerShape.of(host)
         H = host.hidden_size
         self.fc = nn.Linear(len(config.feature_layers) * H, H, bias=False)  # fuse m host layers (F -> H)

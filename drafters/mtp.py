@@ -14,45 +14,31 @@ padded slots hold token 0 with a point-mass q, which is never verified (the loop
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, SharedHost, cached_context, causal_mask,
+from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask,
                              document_positions, inference_mask)
-from drafters.checkpoint import Checkpointable, check_host, host_fingerprint
+from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import distill_terms, per_position_mean, weighted_mean
 from dspark.kv_cache import KVCache
 from dspark.sampling import STREAM_DRAFT, process, sample
 
 
 @dataclass
-class MTPConfig:
+class MTPConfig(HostFields):
     """MTP-1 settings. The decoder layer copies the host's layer shape."""
 
     feature_layers: tuple[int, ...] | None = None  # host layers fed as f_i; None = (L - 1,), the last layer
     ce_weight: float = 0.1
     tv_weight: float = 0.9
-    host_vocab_size: int | None = None  # host fingerprint, filled from the host when built
-    host_hidden_size: int | None = None
-    host_num_layers: int | None = None
-    host_model_type: str | None = None
-    host_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.feature_layers is not None:
-            self.feature_layers = tuple(self.feature_layers)
 
     def resolved(self, host) -> "MTPConfig":
         """This config with the host-dependent fields filled in from `host`."""
-        return replace(self, feature_layers=self.feature_layers or (host.num_layers - 1,),
-                       host_vocab_size=self.host_vocab_size or host.vocab_size,
-                       host_hidden_size=self.host_hidden_size or host.hidden_size,
-                       host_num_layers=self.host_num_layers or host.num_layers,
-                       host_model_type=self.host_model_type or host.config.model_type,
-                       host_name=self.host_name or host.name)
+        return with_host(self, host, (host.num_layers - 1,))
 
 
 class MTPDrafter(Checkpointable, nn.Module, Drafter):
@@ -64,12 +50,7 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
 
     def __init__(self, host, config: MTPConfig | None = None) -> None:
         super().__init__()
-        config = (config or MTPConfig()).resolved(host)
-        check_host(host_fingerprint(config), host, source="MTP config")
-        host.check_taps(config.feature_layers)
-        self.config = config
-        self.feature_layers = config.feature_layers
-        self.shared = SharedHost.of(host)
+        config = self.bind_host(host, config, source="MTP config")
         shape = LayerShape.of(host)
         H, F = host.hidden_size, len(config.feature_layers) * host.hidden_size
         self.embed_norm = RMSNorm(H, shape.rms_norm_eps)

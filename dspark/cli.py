@@ -243,8 +243,8 @@ def cmd_calibrate(argv) -> int:
         raise ValueError(f"{n_requests} prompt(s) are too few to hold out {c.holdout:.0%}: raise --limit")
     sts = STSCalibrator.fit(conf[fit], accepted[fit], reached[fit])
     target = Path(c.out or checkpoint_dir(d.drafter_path) / CALIBRATION_FILE)
-    sts.save(target)
     report = calibration_report(conf[test], accepted[test], reached[test], calibrator=sts)
+    sts.save(target)  # after the report is computed: a failing report leaves the drafter's old calibration alone
     report.update(fit_requests=n_requests - n_test, report_requests=n_test or n_requests,
                   fit_rounds=int(fit.sum()), report_rounds=int(test.sum()),
                   mean_survival_ece={when: _nanmean(report[when]["survival"]["ece"]) for when in ("before", "after")})

@@ -289,6 +289,36 @@ def test_calibration_with_the_wrong_number_of_positions(tiny_host, tmp_path):
                         calibration=tmp_path / "sts.json", draft_length=5, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("load, what", [(CostModel.load, "cost table"), (STSCalibrator.load, "STS calibration")])
+def test_missing_or_corrupt_verifier_file_names_the_file(load, what, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{what} file .*nope.json does not exist"):
+        load(tmp_path / "nope.json")
+    (tmp_path / "cut.json").write_text('{"format": "dspark.')  # a write cut short
+    with pytest.raises(ValueError, match=f"{what} file .*cut.json is corrupt \\(not valid JSON"):
+        load(tmp_path / "cut.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"list.json is not a dspark\.\w+ version 1 file \(format='list'"):
+        load(tmp_path / "list.json")
+
+
+def test_verifier_files_are_replaced_atomically(tmp_path, monkeypatch):
+    import verifiers.base
+
+    path = tmp_path / "sts.json"
+    STSCalibrator(temperatures=[1.0, 2.0]).save(path)
+
+    def killed(fd):
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(verifiers.base.os, "fsync", killed)
+    with pytest.raises(OSError, match="killed mid-write"):
+        STSCalibrator(temperatures=[3.0, 4.0, 5.0]).save(path)
+    with pytest.raises(OSError, match="killed mid-write"):
+        CostModel(tokens=[1, 64], sps=[100.0, 90.0], host="tiny", device="cpu").save(tmp_path / "cost.json")
+    assert STSCalibrator.load(path).temperatures == [1.0, 2.0]  # the old file, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sts.json"]  # no half-written or staging files
+
+
 # ---- data and config -----------------------------------------------------------------------------------------------
 def _chats_with_a_bad_line(tmp_path) -> Path:
     from test_regenerate import write_conversations

@@ -21,7 +21,6 @@ STS JSON (`STSCalibrator.save`, format "dspark.sts", version 1):
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from drafters.base import Proposal
+from verifiers.base import read_versioned_json, write_json_atomic
 
 FORMAT = "dspark.sts"
 VERSION = 1
@@ -179,15 +179,12 @@ class STSCalibrator:
         """Write the temperatures as JSON (schema in the module docstring)."""
         doc = {"format": FORMAT, "version": VERSION, "positions": self.positions,
                "temperatures": self.temperatures, "fit_size": self.fit_size}
-        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+        write_json_atomic(path, doc)
 
     @classmethod
     def load(cls, path: str | Path, *, expect_positions: int | None = None) -> "STSCalibrator":
         """Read a calibrator; a different number of positions than `expect_positions` is an error."""
-        d = json.loads(Path(path).read_text())
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise ValueError(f"{path} is not a {FORMAT} version {VERSION} file "
-                             f"(format={d.get('format')!r}, version={d.get('version')!r})")
+        d = read_versioned_json(path, FORMAT, VERSION, what="STS calibration")
         unknown = sorted(set(d) - {"format", "version", "positions", "temperatures", "fit_size"})
         if unknown:
             raise ValueError(f"{path}: unknown STS keys {unknown}")

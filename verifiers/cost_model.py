@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from verifiers.base import read_versioned_json, write_json_atomic
+
 FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"
 VERSION = 1
@@ -136,7 +138,7 @@ class CostModel:
 
     def save(self, path: str | Path) -> None:
         """Write the table and its metadata as JSON (schema in the module docstring)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json_atomic(path, self.to_dict())
 
     def to_csv(self, path: str | Path) -> None:
         """Write columns tokens, sps, step_ms (one row per table point)."""
@@ -154,10 +156,7 @@ class CostModel:
         expect_device: a torch.device is compared through `device_description` (so cuda:0 and cuda:1 of the same
         GPU model match); a string is compared with the stored description as is.
         """
-        d = json.loads(Path(path).read_text())
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise ValueError(f"{path} is not a {FORMAT} version {VERSION} file "
-                             f"(format={d.get('format')!r}, version={d.get('version')!r})")
+        d = read_versioned_json(path, FORMAT, VERSION, what="cost table")
         body = {k: v for k, v in d.items() if k not in ("format", "version")}
         known = {f for f in cls.__dataclass_fields__ if not f.startswith("_")}
         unknown = sorted(set(body) - known)
