@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 __all__ = ["Generation", "encode_prompts", "generate", "load_host", "resolve_drafter", "resolve_verifier",
-           "set_deterministic", "__version__"]
+           "set_deterministic", "tune_cpu_allocator", "__version__"]
 
 if TYPE_CHECKING:
     from dspark.api import (Generation, encode_prompts, generate, load_host, resolve_drafter, resolve_verifier,
-                            set_deterministic)
+                            set_deterministic, tune_cpu_allocator)
 
 
 def __getattr__(name: str):

@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"dspark: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    from dspark.api import tune_cpu_allocator
+
+    tune_cpu_allocator()  # CPU training / decoding a third faster on glibc (see its docstring)
     try:
         return COMMANDS[command](rest)
     except (ConfigError, ValueError, FileNotFoundError) as error:

@@ -168,4 +168,7 @@ def main_regenerate(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    from dspark.api import tune_cpu_allocator
+
+    tune_cpu_allocator()  # as the `dspark` command does
     main_regenerate(sys.argv[1:])

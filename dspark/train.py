@@ -610,4 +610,7 @@ def main_train(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    from dspark.api import tune_cpu_allocator
+
+    tune_cpu_allocator()  # as the `dspark` command does
     main_train(sys.argv[1:])

@@ -7,11 +7,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from dspark.api import tune_cpu_allocator
 from dspark.host import Host
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+tune_cpu_allocator()  # as the `dspark` commands do: large CPU tensors reuse freed memory instead of re-faulting it
 
 
 def tiny_model(kind: str = "llama", *, vocab: int = 128, hidden: int = 64, layers: int = 4, seed: int = 0):

@@ -1,4 +1,5 @@
-"""Every public package imports on its own in a fresh interpreter (no import-order dependence, no cycles)."""
+"""Process-level basics: every public package imports on its own in a fresh interpreter (no import-order
+dependence, no cycles), and the CPU allocator tuning is switchable."""
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,15 @@ def test_unknown_attribute_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         dspark.nope  # noqa: B018
+
+
+def test_cpu_allocator_tuning_can_be_switched_off(monkeypatch):
+    import platform
+
+    import dspark
+
+    monkeypatch.setenv("DSPARK_MALLOC_TUNING", "0")
+    assert dspark.tune_cpu_allocator() is False
+    monkeypatch.delenv("DSPARK_MALLOC_TUNING")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert dspark.tune_cpu_allocator() is True
