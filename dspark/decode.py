@@ -234,6 +234,9 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         finite = torch.isfinite(logits).flatten(1).all(1)
         if q is not None:
             finite = finite & torch.isfinite(q).flatten(1).all(1)
+        if proposal.confidence is not None:  # NaN (or outside [0, 1]) would silently steer the verifier
+            c = proposal.confidence
+            finite = finite & ((c >= 0) & (c <= 1)).all(1)  # NaN fails both comparisons
         # 4 accept
         positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=device)  # (B, L+1)
         if sampling.greedy:
@@ -251,8 +254,8 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         new_cpu, n_cpu, finite_cpu = new.cpu(), n_acc.cpu(), finite.cpu()  # the round's one device-to-host sync
         if not bool(finite_cpu.all()):
             bad = request[~finite_cpu].tolist()
-            raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits in round {rounds} for "
-                                     f"request(s) {bad}; no token of that round was accepted")
+            raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
+                                     f"in round {rounds} for request(s) {bad}; no token of that round was accepted")
         cache.advance(n_acc + 1)  # the anchor and the accepted drafts are now in the host cache
         cache_len += n_cpu + 1
         drafter.observe(features=out.features, start=anchor_pos, n_valid=n_acc + 1, state=state)

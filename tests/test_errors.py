@@ -430,8 +430,9 @@ def test_non_finite_host_logits_are_reported_never_accepted(drafter, value):
     clean = generate(Host(tiny_model("llama"), name="clean"), prompts, max_new_tokens=8).token_ids
     streamed = {i: [] for i in range(3)}
     host = _Poisoned(call=1, row=1, value=value)
-    with pytest.raises(FloatingPointError, match=r"non-finite \(NaN/Inf\) host or draft logits in round 1 for "
-                                                 r"request\(s\) \[1\]; no token of that round was accepted"):
+    with pytest.raises(FloatingPointError, match=r"non-finite \(NaN/Inf\) host or draft logits, or draft confidences "
+                                                 r"outside \[0, 1\], in round 1 for request\(s\) \[1\]; no token "
+                                                 r"of that round was accepted"):
         generate(host, prompts, max_new_tokens=8, drafter=None if drafter is None else build_drafter(drafter, host),
                  draft_length=3, on_tokens=lambda i, ids: streamed[i].extend(ids))
     for i in range(3):  # everything streamed before the error is the clean output; nothing of round 1 was
@@ -447,22 +448,27 @@ def test_non_finite_host_logits_at_prefill():
 
 
 class _NaNq(Drafter):
-    """Proposes the anchor repeated with its point mass as q, NaN in q of one request from a given round on."""
+    """Proposes the anchor repeated with its point mass as q and confidence 0.5, `bad` (NaN) in q of one request
+    from a given round on, or `bad` in its confidence with `in_confidence`."""
 
     name = "nan-q"
 
-    def __init__(self, request: int, round_index: int):
-        self.request, self.round_index = request, round_index
+    def __init__(self, request: int, round_index: int, *, in_confidence: bool = False, bad: float = math.nan):
+        self.request, self.round_index, self.in_confidence, self.bad = request, round_index, in_confidence, bad
 
     def propose(self, state, K):
         B = state.seq.shape[0]
         tokens = state.anchor.unsqueeze(1).expand(B, K).clone()
         q = torch.nn.functional.one_hot(tokens, 128).float()
+        confidence = torch.full((B, K), 0.5)
         rows = (state.rounds >= self.round_index).nonzero().flatten()
         for b in rows.tolist():
             if int(state.seeds[b]) == self.request:  # seeds default to seed + request index
-                q[b, 0, 0] = math.nan
-        return Proposal(tokens=tokens, q=q)
+                if self.in_confidence:
+                    confidence[b, -1] = self.bad
+                else:
+                    q[b, 0, 0] = self.bad
+        return Proposal(tokens=tokens, q=q, confidence=confidence)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -470,6 +476,18 @@ def test_non_finite_draft_distribution_is_reported(tiny_host, temperature):
     with pytest.raises(FloatingPointError, match=r"in round 2 for request\(s\) \[1\]"):
         generate(tiny_host, random_prompts([4, 6, 8], 128), drafter=_NaNq(request=1, round_index=2), draft_length=2,
                  max_new_tokens=10, sampling=SamplingConfig(temperature=temperature))
+
+
+@pytest.mark.parametrize("bad, verifier", [(math.nan, "threshold"), (math.nan, "scheduler"), (1.5, "full")])
+def test_bad_draft_confidence_is_reported(tiny_host, bad, verifier):
+    kw = {"threshold": {"threshold": 0.3}, "scheduler": {"cost_table": CostModel(tokens=[1, 64], sps=[100.0, 90.0])},
+          "full": {}}[verifier]
+    with pytest.raises(FloatingPointError, match=r"confidences outside \[0, 1\], in round 2 for request\(s\) \[1\]"):
+        dspark.generate(tiny_host, _NaNq(request=1, round_index=2, in_confidence=True, bad=bad),
+                        random_prompts([4, 6, 8], 128), verifier=verifier, draft_length=2, max_new_tokens=10, **kw)
+    clean = dspark.generate(tiny_host, _NaNq(request=1, round_index=99, in_confidence=True),
+                            random_prompts([4, 6, 8], 128), verifier=verifier, draft_length=2, max_new_tokens=10, **kw)
+    assert len(clean.token_ids) == 3
 
 
 def test_reliability_doc_names_existing_tests():
