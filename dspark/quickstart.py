@@ -52,7 +52,8 @@ class Size:
 
 
 # why these CPU sizes: on 2 cores the frozen host's own forward (SmolLM2, ~0.7 GFLOP a token with its LM head)
-# dominates a training step, about 3 s per 1024 tokens; `small` spends ~11 minutes of training on that budget (measured 2026-12-03, 3.8 s a step).
+# dominates a training step, about 3 s per 1024 tokens; `small` spends ~11 minutes of training on that budget
+# (measured 2026-12-03: 3.8 s a step).
 SIZES = {
     "ci": Size(train_conversations=48, max_steps=12, seq_len=256, batch_size=2, num_layers=1, max_anchors=16,
                eval_prompts=4, max_new_tokens=24, eval_batch=4, max_prompt_length=160),
