@@ -66,11 +66,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "allocator.json").write_text(json.dumps(result, indent=1) + "\n")
     env = result["environment"]
+    table = markdown_table(rows, [("allocator", "allocator"), ("tokens_per_s", "tokens/s"), ("s_per_step", "s/step"),
+                                  ("peak_mem_gb", "peak RSS GiB"), ("final_loss", "final loss")])
     (out / "allocator.md").write_text(
         f"`{result['command']}` — {env['date']}, {env['processor']} ({env['cpu_threads']} threads), torch "
-        f"{env['torch']}\n\n" + markdown_table(rows, [("allocator", "allocator"), ("tokens_per_s", "tokens/s"), ("s_per_step", "s/step"),
-                              ("peak_mem_gb", "peak RSS GiB"), ("final_loss", "final loss")])
-        + f"\n\nspeedup {speedup:.2f}x; final losses identical: {same}\n")
+        f"{env['torch']}\n\n{table}\n\nspeedup {speedup:.2f}x; final losses identical: {same}\n")
     print((out / "allocator.md").read_text())
 
 

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dspark.api import tune_cpu_allocator
 
-    tune_cpu_allocator()  # CPU training / decoding a third faster on glibc (see its docstring)
+    tune_cpu_allocator()  # CPU training steps 1.26x faster on glibc (benchmarks/cpu_allocator.py)
     try:
         return COMMANDS[command](rest)
     except (ConfigError, ValueError, FileNotFoundError) as error:
