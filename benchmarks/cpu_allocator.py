@@ -21,13 +21,15 @@ from pathlib import Path
 import torch
 
 from dspark.metrics import markdown_table
-from dspark.quickstart import environment
+from dspark.quickstart import DRAFT_LENGTH, SIZES, environment
 
 ROOT = Path(__file__).resolve().parents[1]
-# the quickstart's `small` size (dspark/quickstart.py SIZES["small"]), fewer steps
-TRAIN = ["--host", "smollm2", "--drafter", "dspark", "--data", "sharegpt", "--data-limit", "400", "--max-length", "384",
-         "--seq-len", "384", "--batch-size", "2", "--lr", "2e-3", "--warmup-ratio", "0.05", "--save-every", "100000",
-         "--eval-every", "0", "--report-to", "none", "--drafter-args", "num_layers=2", "gamma=7", "max_anchors=40"]
+SIZE = SIZES["small"]  # the quickstart's default recipe, fewer steps (lr and warmup as dspark/quickstart.py sets them)
+TRAIN = ["--host", "smollm2", "--drafter", "dspark", "--data", "sharegpt",
+         "--data-limit", str(SIZE.train_conversations), "--max-length", str(SIZE.seq_len),
+         "--seq-len", str(SIZE.seq_len), "--batch-size", str(SIZE.batch_size),
+         "--lr", "2e-3", "--warmup-ratio", "0.05", "--save-every", "100000", "--eval-every", "0", "--report-to", "none",
+         "--drafter-args", f"num_layers={SIZE.num_layers}", f"gamma={DRAFT_LENGTH}", f"max_anchors={SIZE.max_anchors}"]
 
 
 def run(tuning: int, steps: int, workdir: Path) -> dict:
@@ -54,9 +56,9 @@ def main() -> None:
     rows = []
     for tuning in (False, True):
         mine = [r for r in runs if r["tuning"] == tuning]
-        rows.append({"allocator": "tuned (mallopt)" if tuning else "glibc default",
-                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
-                     "s_per_step": 2 * 384 / statistics.median(r["tokens_per_s"] for r in mine),
+        speed = statistics.median(r["tokens_per_s"] for r in mine)
+        rows.append({"allocator": "tuned (mallopt)" if tuning else "glibc default", "tokens_per_s": speed,
+                     "s_per_step": SIZE.batch_size * SIZE.seq_len / speed,
                      "peak_mem_gb": max(r["peak_mem_gb"] for r in mine), "final_loss": mine[0]["final_loss"]})
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     same = len({r["final_loss"] for r in runs}) == 1
