@@ -12,11 +12,12 @@ eight files: results.json / results.md (every number of benchmarks/RESULTS.md), 
 calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.jsonl, eval JSONs, logs).
 Settings are the constants below; same data and the same budget for the three drafters, gamma = 7.
 
-Environment knobs: STEPS (default 1600); TRAIN_WAIT_S (how long `train` waits in this call); ONLY=dspark,...
-(a subset of the drafters, e.g. one per session so that it trains alone on the GPU); REGEN_FROM=FILE[.gz] (copy a
-recorded regeneration instead of regenerating: experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03
-H200 one, 5482 prompts, sha256 of the plain JSONL 5b0bbce1...eef4802); SKIP_SCHEDULER / SKIP_SWEEP /
-SKIP_DETERMINISM (drafter tau only); DRY_RUN (the whole pipeline in minutes on a CPU).
+Environment knobs: STEPS (default 1600); BACKBONE_LAYERS (DSpark / DFlash depth, default 5); TRAIN_WAIT_S (how
+long `train` waits in this call); ONLY=dspark,... (a subset of the drafters, e.g. one per session so that it trains
+alone on the GPU); REGEN_FROM=FILE[.gz] (copy a recorded regeneration instead of regenerating:
+experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03 H200 one, 5482 prompts, sha256 of the plain JSONL
+5b0bbce1...eef4802); SKIP_SCHEDULER / SKIP_SWEEP / SKIP_DETERMINISM (drafter tau only); SKIP_BASELINES (no plain /
+n-gram rows: model-free, the same every run); DRY_RUN (the whole pipeline in minutes on a CPU).
 """
 from __future__ import annotations
 
@@ -46,9 +47,13 @@ if os.environ.get("DRY_RUN"):  # the whole pipeline in minutes on a CPU, to chec
     REGEN = dict(limit=12, max_prompt_length=256, max_new_tokens=24, batch_size=12)
     EVAL = dict(limit=4, max_prompt_length=256, max_new_tokens=16, humaneval=4, sweep_batches=[1, 4], sweep_prompts=2)
     SEQ = dict(seq_len=256, batch_size=1, profile_batches=[1, 2])
-DRAFTERS = {  # the same backbone depth for DSpark and DFlash; EAGLE-3 as published (one layer, TTT = gamma)
-    "dspark": ["num_layers=3", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true"],
-    "dflash": ["num_layers=3", f"gamma={GAMMA}"],
+# DSpark and DFlash share one backbone depth: DeepSpec's default 5 (the 800- and 1600-step runs of 2026-12-02/03
+# used 3, BACKBONE_LAYERS=3). Even at 5 a DSpark training step costs fewer FLOPs than EAGLE-3's: the frozen LM head
+# over 7 unrolled TTT steps of every position outweighs 2 more backbone layers over the 7-token blocks.
+BACKBONE_LAYERS = int(os.environ.get("BACKBONE_LAYERS", 5))
+DRAFTERS = {  # EAGLE-3 as published (one layer, TTT = gamma)
+    "dspark": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true"],
+    "dflash": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}"],
     "eagle3": [f"ttt_length={GAMMA}"],
 }
 if os.environ.get("ONLY"):  # ONLY=dspark,eagle3: train / evaluate a subset (one drafter per session, alone on the GPU)
@@ -213,8 +218,9 @@ def evaluate() -> None:
                    "--tokens-per-request", "1", "--repeats", "1", "--warmup", "1", "--engine-json",
                    str(RUN / "engine.json"), "--calibration", str(calibration))
     for data in SETS:
-        _eval("plain", data, "--drafter", "none")
-        _eval("ngram", data, "--drafter", "ngram")
+        if not os.environ.get("SKIP_BASELINES"):  # model-free and greedy: the same numbers every run
+            _eval("plain", data, "--drafter", "none")
+            _eval("ngram", data, "--drafter", "ngram")
         for temperature in (0.0, 1.0):
             for name in DRAFTERS:
                 _eval(name, data, "--drafter-path", ckpt[name], temperature=temperature)
