@@ -12,7 +12,7 @@ eight files: results.json / results.md (every number of benchmarks/RESULTS.md), 
 calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.jsonl, eval JSONs, logs).
 Settings are the constants below; same data and the same budget for the three drafters, gamma = 7.
 
-Environment knobs: STEPS (default 1600); BACKBONE_LAYERS (DSpark / DFlash depth, default 5); TRAIN_WAIT_S (how
+Environment knobs: STEPS (default 2000); BACKBONE_LAYERS (DSpark / DFlash depth, default 5); TRAIN_WAIT_S (how
 long `train` waits in this call); ONLY=dspark,... (a subset of the drafters, e.g. one per session so that it trains
 alone on the GPU); REGEN_FROM=FILE[.gz] (copy a recorded regeneration instead of regenerating:
 experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03 H200 one, 5482 prompts, sha256 of the plain JSONL
@@ -38,7 +38,7 @@ RUN = Path(os.environ.get("RUN", "/tmp/dspark-run"))
 OUT = Path(os.environ.get("OUT", RUN / "out"))
 DATA = RUN / "sharegpt_smollm2_regen.jsonl"
 GAMMA = 7
-STEPS = int(os.environ.get("STEPS", 1600))  # the latest recorded run; the first one used STEPS=800
+STEPS = int(os.environ.get("STEPS", 2000))  # the latest recorded run; earlier ones used 800 and 1600
 REGEN = dict(limit=6144, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
 EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164, sweep_batches=[1, 16, 128], sweep_prompts=16)
 SEQ = dict(seq_len=2048, batch_size=4, profile_batches=[1, 4, 16, 64, 128, 256])

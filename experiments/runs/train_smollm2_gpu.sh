@@ -14,12 +14,14 @@
 # Cost, measured on one H200 with a SmolLM2-shaped random host (torch 2.11, transformers 5.17), batch 8 x 2048:
 #   dspark (3 layers, gamma 7) ~85k tokens/s, 44.5 GiB peak; dflash ~99k tokens/s, 44 GiB;
 #   eagle3 (ttt 7) ~40k tokens/s, 93 GiB; so 6000 steps (98M tokens) take roughly 20 / 17 / 41 minutes.
+#   At 5 layers DSpark ran 13 % fewer tokens/s than at 3 in the shared H200 runs (22.9k vs 26.4k, RESULTS.md).
 set -euo pipefail
 
 OUT=${OUT:-runs/smollm2}
 DATA=${DATA:-$OUT/sharegpt_smollm2_regen.jsonl}
 STEPS=${STEPS:-6000}          # optimizer steps, identical for the three drafters (~8 epochs of the regenerated data)
 STAGES=${STAGES:-"regenerate train"}
+LAYERS=${LAYERS:-5}            # DSpark / DFlash backbone depth (benchmarks/RESULTS.md: 5 vs 3)
 REPORT_TO=${REPORT_TO:-none}  # wandb (offline unless WANDB_MODE is set) or tensorboard where installed
 TRAIN=${TRAIN:-python -m dspark.train}         # = `dspark train`
 REGENERATE=${REGENERATE:-python -m dspark.regenerate}  # = `dspark regenerate`
@@ -60,12 +62,13 @@ project: dspark-smollm2
 EOF
 
 if [[ " $STAGES " == *" train "* ]]; then
-  # DSpark: 3 backbone layers (the DeepSeek-V4 production depth), Markov head r = 256, confidence head, gamma 7.
+  # DSpark: LAYERS backbone layers (default 5, DeepSpec's; 3 is the DeepSeek-V4 production depth), Markov head
+  # r = 256, confidence head, gamma 7.
   $TRAIN --config "$OUT/common.yaml" --drafter dspark --output "$OUT/dspark" \
-    --drafter-args num_layers=3 gamma=7 head=markov rank=256 confidence=true
+    --drafter-args num_layers=$LAYERS gamma=7 head=markov rank=256 confidence=true
   # DFlash: the same backbone with the heads off (L = L_ce), gamma 7.
   $TRAIN --config "$OUT/common.yaml" --drafter dflash --output "$OUT/dflash" \
-    --drafter-args num_layers=3 gamma=7
+    --drafter-args num_layers=$LAYERS gamma=7
   # EAGLE-3: one layer, training-time test unrolled 7 steps (= gamma).
   $TRAIN --config "$OUT/common.yaml" --drafter eagle3 --output "$OUT/eagle3" \
     --drafter-args ttt_length=7
