@@ -560,6 +560,8 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
                   **_summary(outputs, accelerator), "lr": lr, "grad_norm": float(grad_norm)}
         seconds = time.perf_counter() - started
         record["tokens_per_s"] = tokens * world / seconds
+        record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
+        record["time"] = time.time()
         record["peak_mem_gb"] = _peak_memory_gb(device)
         log_metrics(record, accelerator=accelerator, metrics_file=metrics_file)
         bar.update(1)

@@ -66,7 +66,7 @@ def test_loss_falls_only_drafter_trains_checkpoint_loads(tmp_path, chat_data, ki
     last = records[-2]
     assert len(last["acceptance"]) >= 1 and all(0 <= a <= 1 for a in last["acceptance"])
     assert last["tau"] == pytest.approx(1 + float(torch.tensor(last["acceptance"]).cumprod(0).sum()))
-    for key in ("lr", "grad_norm", "tokens_per_s", "peak_mem_gb", "epoch"):
+    for key in ("lr", "grad_norm", "tokens_per_s", "peak_mem_gb", "epoch", "step_s", "time"):
         assert key in last
     assert (Path(cfg.output) / "training_curve.png").stat().st_size > 1000
 

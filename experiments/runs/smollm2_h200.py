@@ -298,7 +298,9 @@ def _train_summary(name: str) -> dict:
     return {"steps": train[-1]["step"] if train else 0, "final_train": train[-1] if train else None,
             "final_eval": evals[-1] if evals else None,
             "tokens_per_s_median": sorted(speed)[len(speed) // 2] if speed else None,
-            "peak_mem_gb": max((r.get("peak_mem_gb", 0) for r in train), default=None)}
+            "peak_mem_gb": max((r.get("peak_mem_gb", 0) for r in train), default=None),
+            # wall time of the optimizer steps (without evaluation / checkpoints); absent in runs before 2026-12-03
+            "train_steps_s": sum(r["step_s"] for r in train) if train and all("step_s" in r for r in train) else None}
 
 
 def _curves(path: Path) -> None:
