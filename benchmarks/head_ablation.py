@@ -1,0 +1,116 @@
+"""Which sequential head? DSpark's Markov / gated Markov / RNN heads against DFlash (no head), same everything else.
+
+    python benchmarks/head_ablation.py [--steps 120] [--heads markov gated rnn none] [--out benchmarks/cpu]
+
+Trains one drafter per head for SmolLM2 on the recorded self-distilled ShareGPT data
+(experiments/data/sharegpt_smollm2_regen.jsonl.gz, the H200 runs' training data) with the quickstart's `small`
+CPU recipe (dspark/quickstart.py SIZES['small']), each in a fresh process with the same seed, data order and
+budget, and compares their teacher-forced held-out acceptance (per position and expected tau, the training's own
+evaluation on the held-out split). `none` is DFlash: the same backbone, heads off, L = L_ce. Writes
+OUT/head_ablation.json (every run, machine, versions, command, date) and OUT/head_ablation.md.
+
+A small-budget CPU comparison: it ranks the heads early in training, it does not predict converged tau on a GPU
+run (benchmarks/RESULTS.md has those).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.metrics import markdown_table
+from dspark.quickstart import DRAFT_LENGTH, SIZES, environment
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "experiments" / "data" / "sharegpt_smollm2_regen.jsonl.gz"
+SIZE = SIZES["small"]
+HEADS = {  # head -> (drafter, drafter args beyond the shared backbone)
+    "markov": ("dspark", ["head=markov", "confidence=true"]),
+    "gated": ("dspark", ["head=gated", "confidence=true"]),
+    "rnn": ("dspark", ["head=rnn", "confidence=true"]),
+    "none": ("dflash", []),
+}
+
+
+def train_args(data: Path, steps: int, data_limit: int) -> list[str]:
+    return ["--host", "smollm2", "--data", str(data), "--data-limit", str(data_limit),
+            "--max-length", str(SIZE.seq_len), "--seq-len", str(SIZE.seq_len), "--batch-size", str(SIZE.batch_size),
+            "--lr", "2e-3", "--warmup-ratio", "0.05", "--max-steps", str(steps), "--save-every", "100000",
+            "--eval-every", str(steps), "--eval-batches", "16", "--seed", "0", "--report-to", "none"]
+
+
+def run(head: str, args, workdir: Path) -> dict:
+    drafter, extra = HEADS[head]
+    out = workdir / head
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "dspark.train", *train_args(Path(args.data), args.steps, args.data_limit),
+           "--drafter", drafter, "--output", str(out), "--drafter-args", f"num_layers={SIZE.num_layers}",
+           f"gamma={DRAFT_LENGTH}", f"max_anchors={SIZE.max_anchors}", *extra]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"{head}: training failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in records if r.get("kind") == "train"]
+    final = [r for r in records if r.get("kind") == "eval"][-1]
+    return {"head": head, "drafter": drafter, "drafter_args": extra, "steps": len(train),
+            "heldout_tau": final["tau"], "heldout_acceptance": final["acceptance"], "heldout_loss": final["loss"],
+            "final_train_loss": train[-1]["loss"],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:]),
+            "wall_s": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    parser.add_argument("--data", default=str(DATA), help="chat JSONL[.gz]; default: the recorded SmolLM2 regeneration")
+    parser.add_argument("--data-limit", type=int, default=1000, help="training conversations read")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu"))
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is not timed)")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for head in args.heads:
+            runs.append(run(head, args, Path(tmp)))
+            print(f"{head}: held-out tau {runs[-1]['heldout_tau']:.3f} "
+                  f"({runs[-1]['wall_s']:.0f} s)", flush=True)
+    base = next((r["heldout_tau"] for r in runs if r["head"] == "none"), None)
+    rows = [{"head": r["head"] if r["head"] != "none" else "none (DFlash)", "tau": r["heldout_tau"],
+             "vs": r["heldout_tau"] / base if base else float("nan"),
+             "acc": " ".join(f"{a:.2f}" for a in r["heldout_acceptance"]), "loss": r["final_train_loss"],
+             "speed": r["tokens_per_s"]} for r in runs]
+    columns = [("head", "head"), ("tau", "held-out tau"), ("vs", "tau / DFlash's"), ("acc", "acceptance at 1..7"),
+               ("loss", "final train loss"), ("speed", "tokens/s")]
+    command = "python benchmarks/head_ablation.py " + " ".join(sys.argv[1:])
+    data = Path(args.data).resolve()
+    result = {"environment": environment(torch.device("cpu")), "command": command,
+              "recipe": {"size": "small", "steps": args.steps,
+                         "data": str(data.relative_to(ROOT)) if data.is_relative_to(ROOT) else str(data),
+                         "data_limit": args.data_limit, "num_layers": SIZE.num_layers, "gamma": DRAFT_LENGTH,
+                         "seq_len": SIZE.seq_len, "batch_size": SIZE.batch_size, "max_anchors": SIZE.max_anchors},
+              "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "head_ablation.json").write_text(json.dumps(result, indent=1) + "\n")
+    env = result["environment"]
+    (out / "head_ablation.md").write_text(
+        f"# Sequential head ablation (CPU, {args.steps} steps)\n\n`{command}` on {env['processor']}, "
+        f"{env['cpu_threads']} threads, torch {env['torch']}, transformers {env['transformers']}, {env['date']}.\n"
+        "Teacher-forced acceptance on the held-out split of the same data; same seed, data order and budget.\n\n"
+        + markdown_table(rows, columns) + "\n")
+    print((out / "head_ablation.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
