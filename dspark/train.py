@@ -76,7 +76,7 @@ class TrainConfig:
     drafter_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "drafter overrides passed to build_drafter, e.g. --drafter-args num_layers=3 gamma=7 head=rnn"})
     data: str = field(default="sharegpt", metadata={
-        "help": "conversations: sharegpt, humaneval, a .jsonl file, a saved datasets dir; or synthetic[:N] "
+        "help": "conversations: sharegpt, humaneval, a .jsonl[.gz] file, a saved datasets dir; or synthetic[:N] "
                 "(random-token documents, ONLY for tests and cost runs on random hosts without a tokenizer)"})
     data_limit: Optional[int] = field(default=None, metadata={"help": "use at most this many training conversations"})
     on_error: Literal["skip", "raise"] = field(default="skip", metadata={

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Solo training throughput of the three drafters as the H200 runs train them (5-layer DSpark / DFlash, EAGLE-3 with
+# TTT 7, gamma 7, batch BS x SEQ packed tokens, bf16), one after another so each has the GPU to itself. The host is
+# a randomly initialised SmolLM2-135M-shaped model on synthetic tokens: the kernels and so the speed are the real
+# host's, no weights or data need staging; the acceptance numbers in the logs mean nothing.
+#
+#   OUT=/tmp/out SEQ=2048 BS=4 STEPS_SOLO=60 bash experiments/runs/solo_throughput.sh
+#
+# Prints, per drafter: steps, median tokens/s and median s/step after the first 5 steps, peak GiB; copies each
+# run's metrics.jsonl to $OUT/solo_<drafter>.jsonl.
+set -euo pipefail
+OUT=${OUT:?set OUT}; SEQ=${SEQ:-2048}; BS=${BS:-4}; STEPS_SOLO=${STEPS_SOLO:-60}; WORK=${WORK:-/tmp/solo}
+mkdir -p "$WORK" "$OUT"
+for spec in "dspark num_layers=5 gamma=7 head=markov rank=256 confidence=true" "dflash num_layers=5 gamma=7" \
+            "eagle3 ttt_length=7"; do
+  set -- $spec; name=$1; shift
+  python3 -m dspark.train --host random:smollm2 --data synthetic:512 --drafter "$name" --output "$WORK/$name" \
+    --max-length "$SEQ" --seq-len "$SEQ" --batch-size "$BS" --max-steps "$STEPS_SOLO" --save-every 100000 \
+    --eval-every 0 --bf16 true --report-to none --seed 0 --drafter-args "$@" > "$WORK/$name.log" 2>&1 \
+    || { tail -20 "$WORK/$name.log"; exit 1; }
+  cp "$WORK/$name/metrics.jsonl" "$OUT/solo_$name.jsonl"
+  python3 - "$OUT/solo_$name.jsonl" "$name" <<'PY'
+import json, statistics, sys
+train = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "train"][5:]
+print(sys.argv[2], "steps", len(train) + 5, "tokens/s", round(statistics.median(r["tokens_per_s"] for r in train)),
+      "s/step", round(statistics.median(r["step_s"] for r in train), 3),
+      "peak GiB", round(max(r["peak_mem_gb"] for r in train), 1))
+PY
+done
