@@ -4,6 +4,7 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark quickstart [--size ci|small|full]        train a small DSpark drafter, evaluate, write a report
     dspark generate --prompt "..." [--drafter ngram|dspark|... | --drafter-path DIR] [--json]
     dspark eval --drafter-path DIR --data sharegpt --temperature 1 --json
+    dspark compare --run a.json --against b.json    tau ratio of two evals with a paired bootstrap interval
     dspark train / regenerate                     see dspark.train, dspark.regenerate
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
     dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
@@ -106,6 +107,14 @@ class SweepOptions:
     out_dir: str = field(default="sweep", metadata={"help": "directory for sweep.json, sweep.md and sweep.png"})
 
 
+@dataclass
+class CompareOptions:
+    run: str = field(metadata={"help": "an eval JSON (dspark eval --output FILE): the numerator"})
+    against: list[str] = field(metadata={"help": "eval JSONs of the same prompts to divide it by"})
+    level: float = field(default=0.95, metadata={"help": "confidence level of the paired bootstrap interval"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object per comparison"})
+
+
 def _host(opts: HostOptions):
     from dspark.api import load_host, set_deterministic
 
@@ -185,11 +194,50 @@ def cmd_eval(argv) -> int:
     if e.json:
         print(json.dumps(metrics))
     else:
-        print(f"tau {metrics['tau']:.3f} over {metrics['request_rounds']} request-rounds "
+        lo, hi = metrics["tau_ci95"]
+        print(f"tau {metrics['tau']:.3f} [95% {lo:.3f}, {hi:.3f}] over {metrics['request_rounds']} request-rounds "
               f"({metrics['requests']} prompts); verify rate {metrics['verify_rate']:.3f}; "
               f"{metrics['tokens_per_s']:.1f} tok/s")
         print("conditional acceptance per position: "
               + " ".join("nan" if math.isnan(a) else f"{a:.3f}" for a in metrics["conditional_acceptance"]))
+    return 0
+
+
+def _eval_json(path: str) -> dict:
+    try:
+        metrics = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such eval result (write one with `dspark eval ... --output {path}`)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not an eval JSON ({error})") from error
+    if not isinstance(metrics, dict) or "tau" not in metrics:
+        raise ValueError(f"{path}: not an eval JSON (no 'tau')")
+    return metrics
+
+
+def cmd_compare(argv) -> int:
+    """tau of one eval result over others on the same prompts, with a paired bootstrap interval."""
+    from dspark.metrics import paired_tau_ratio
+
+    (c,) = parse([CompareOptions], argv, prog="dspark compare")
+    run = _eval_json(c.run)
+    for other_path in c.against:
+        other = _eval_json(other_path)
+        for key in ("host", "data", "split", "requests"):
+            if run.get(key) != other.get(key):
+                raise ValueError(f"{c.run} and {other_path} are not over the same prompts: {key} "
+                                 f"{run.get(key)!r} vs {other.get(key)!r}")
+        try:
+            cmp = paired_tau_ratio(run, other, level=c.level)
+        except ValueError as error:
+            raise ValueError(f"{c.run} vs {other_path}: {error}") from None
+        if c.json:
+            print(json.dumps({"run": c.run, "against": other_path, **cmp}))
+        else:
+            lo, hi = cmp["ci"]
+            print(f"{c.run} / {other_path}: tau {cmp['tau'][0]:.3f} / {cmp['tau'][1]:.3f} = {cmp['ratio']:.3f} "
+                  f"[{lo:.3f}, {hi:.3f}] ({c.level:.0%} paired bootstrap over {cmp['requests']} requests); "
+                  f"ratio <= 1 in {cmp['p_not_above']:.1%} of resamples")
     return 0
 
 
@@ -297,7 +345,8 @@ def cmd_quickstart(argv) -> int:
 
 
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
-            "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep}
+            "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
+            "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,9 @@ Conventions (stated because papers differ):
 - Verify rate = accepted / verified drafts; verified-token savings = 1 - verified / proposed.
 - Host forward passes per committed token counts each request-round and each request's prefill as one pass
   for that request (`per_request`), and each batched forward once (`batched`).
+- Uncertainty: `tau_ci95` is a percentile bootstrap over requests, not rounds (a request's rounds share its
+  prompt and are correlated, so resampling rounds would understate the spread). `paired_tau_ratio` compares two
+  runs on the same prompts with the same resampled requests for both, which cancels most prompt-to-prompt variance.
 """
 from __future__ import annotations
 
@@ -35,6 +38,73 @@ def position_acceptance(verified: torch.Tensor, accepted: torch.Tensor, K: int) 
         survival.append(_ratio(float(survived.sum()), float(seen.sum())))
         support.append(int(seen.sum()))
     return {"conditional_acceptance": conditional, "prefix_survival": survival, "rows_verifying_k": support}
+
+
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def per_request_sums(result: GenerationResult) -> tuple[list[int], list[int]]:
+    """Per request, in prompt order: tokens committed with the bonus (sum of accepted + 1) and request-rounds."""
+    log, requests = result.log, len(result.token_ids)
+    request, accepted = log.column("request"), log.column("accepted")
+    tau_sum = torch.bincount(request, weights=(accepted + 1).double(), minlength=requests)
+    rounds = torch.bincount(request, minlength=requests)
+    return [int(v) for v in tau_sum.tolist()], [int(v) for v in rounds.tolist()]
+
+
+def _resampled_tau(tau_sum: torch.Tensor, rounds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    den = rounds[index].sum(1).double()
+    return torch.where(den > 0, tau_sum[index].sum(1).double() / den.clamp(min=1), torch.nan)
+
+
+def _index(n: int, resamples: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)  # a fixed seed: the same run always reports the same interval
+    return torch.randint(n, (resamples, n), generator=g)
+
+
+def _quantiles(values: torch.Tensor, level: float) -> list[float]:
+    values = values[~values.isnan()]
+    if not len(values):
+        return [float("nan"), float("nan")]
+    lo, hi = torch.quantile(values, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=values.dtype)).tolist()
+    return [lo, hi]
+
+
+def tau_interval(tau_sum: list[int], rounds: list[int], *, level: float = 0.95,
+                 resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:
+    """[lo, hi] percentile-bootstrap interval of tau = sum(tau_sum) / sum(rounds), resampling requests."""
+    if len(tau_sum) != len(rounds):
+        raise ValueError(f"{len(tau_sum)} per-request tau sums but {len(rounds)} round counts")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if not sum(rounds):
+        return [float("nan"), float("nan")]
+    a, n = torch.tensor(tau_sum, dtype=torch.float64), torch.tensor(rounds)
+    return _quantiles(_resampled_tau(a, n, _index(len(a), resamples, seed)), level)
+
+
+def paired_tau_ratio(a: dict, b: dict, *, level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
+                     seed: int = 0) -> dict:
+    """tau(a) / tau(b) for two `summarize` outputs over the same prompts, with a paired bootstrap interval.
+
+    Both runs are resampled with the same requests, so a prompt that is easy for both moves both taus together.
+    `p_not_above` is the fraction of resamples with ratio <= 1 (small: a is reliably above b)."""
+    for name, m in (("first", a), ("second", b)):
+        if "per_request_tau_sum" not in m:
+            raise ValueError(f"the {name} result has no per-request sums (written before they were recorded?)")
+    if len(a["per_request_rounds"]) != len(b["per_request_rounds"]):
+        raise ValueError(f"not the same prompts: {len(a['per_request_rounds'])} vs {len(b['per_request_rounds'])} "
+                         "requests")
+    index = _index(len(a["per_request_rounds"]), resamples, seed)
+    taus = [_resampled_tau(torch.tensor(m["per_request_tau_sum"], dtype=torch.float64),
+                           torch.tensor(m["per_request_rounds"]), index) for m in (a, b)]
+    ratio = taus[0] / taus[1]
+    tau_a = sum(a["per_request_tau_sum"]) / sum(a["per_request_rounds"])
+    tau_b = sum(b["per_request_tau_sum"]) / sum(b["per_request_rounds"])
+    finite = ratio[~ratio.isnan()]
+    return {"ratio": tau_a / tau_b, "ci": _quantiles(ratio, level), "level": level, "tau": [tau_a, tau_b],
+            "p_not_above": float((finite <= 1).double().mean()) if len(finite) else float("nan"),
+            "requests": len(a["per_request_rounds"]), "resamples": resamples}
 
 
 def summarize(result: GenerationResult, *, draft_length: int | None = None) -> dict:
@@ -70,6 +140,8 @@ def summarize(result: GenerationResult, *, draft_length: int | None = None) -> d
         "mean_batch": sum(log.batch) / len(log.batch) if log.batch else float("nan"),
     }
     out.update(position_acceptance(verified, accepted, K))
+    tau_sum, rounds = per_request_sums(result)
+    out.update(tau_ci95=tau_interval(tau_sum, rounds), per_request_tau_sum=tau_sum, per_request_rounds=rounds)
     return out
 
 
