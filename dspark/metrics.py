@@ -95,6 +95,10 @@ def paired_tau_ratio(a: dict, b: dict, *, level: float = 0.95, resamples: int = 
     if len(a["per_request_rounds"]) != len(b["per_request_rounds"]):
         raise ValueError(f"not the same prompts: {len(a['per_request_rounds'])} vs {len(b['per_request_rounds'])} "
                          "requests")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if not sum(a["per_request_rounds"]) or not sum(b["per_request_rounds"]):
+        raise ValueError("a result with no request-rounds has no tau to compare")
     index = _index(len(a["per_request_rounds"]), resamples, seed)
     taus = [_resampled_tau(torch.tensor(m["per_request_tau_sum"], dtype=torch.float64),
                            torch.tensor(m["per_request_rounds"]), index) for m in (a, b)]

@@ -88,6 +88,11 @@ def test_paired_ratio_identical_dominating_and_mismatched_runs():
         paired_tau_ratio(a, fewer)
     with pytest.raises(ValueError, match="no per-request sums"):
         paired_tau_ratio(a, {"tau": 1.5})
+    with pytest.raises(ValueError, match="level"):
+        paired_tau_ratio(a, worse, level=0.0)
+    empty = dict(a, per_request_tau_sum=[0, 0, 0], per_request_rounds=[0, 0, 0])
+    with pytest.raises(ValueError, match="no request-rounds"):
+        paired_tau_ratio(a, empty)
 
 
 def _write(path, result, **fields):
