@@ -342,6 +342,7 @@ def collect() -> None:
         results["calibration"]["survival_auroc"] = {w: report[w]["survival"]["auroc"] for w in ("before", "after")}
     if (RUN / "sweep" / "sweep.json").exists():
         results["sweep"] = json.loads((RUN / "sweep" / "sweep.json").read_text())
+    results["paired"] = _paired(evals)
     (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (OUT / "results.md").write_text(_table(evals))
     if any((RUN / n / "metrics.jsonl").exists() for n in DRAFTERS):
@@ -360,11 +361,35 @@ def collect() -> None:
     say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}")
 
 
-def _table(evals: dict) -> str:
-    lines = ["| run | tau | accepted/round | verify rate | tokens/s |", "| --- | --- | --- | --- | --- |"]
+def _paired(evals: dict) -> dict:
+    """DSpark's tau over each baseline's on the same prompts, with a paired bootstrap interval (dspark compare)."""
+    from dspark.metrics import paired_tau_ratio
+
+    paired = {}
     for tag, m in evals.items():
-        lines.append(f"| {tag} | {m['tau']:.3f} | {m.get('accepted_per_round', float('nan')):.3f} | "
-                     f"{m.get('verify_rate', float('nan')):.3f} | {m['tokens_per_s']:.1f} |")
+        name, _, rest = tag.partition("_")
+        if name == "dspark" and "per_request_tau_sum" in m:
+            for other in ("eagle3", "dflash"):
+                if "per_request_tau_sum" in evals.get(f"{other}_{rest}", {}):
+                    try:
+                        paired[f"{rest}: dspark / {other}"] = paired_tau_ratio(m, evals[f"{other}_{rest}"])
+                    except ValueError as error:  # e.g. another prompt count: say so, keep collecting the rest
+                        say(f"no paired comparison {rest} dspark / {other}: {error}")
+    return paired
+
+
+def _table(evals: dict) -> str:
+    nan2 = [float("nan")] * 2
+    lines = ["| run | tau | tau 95 % | accepted/round | verify rate | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for tag, m in evals.items():
+        lo, hi = m.get("tau_ci95", nan2)
+        lines.append(f"| {tag} | {m['tau']:.3f} | {lo:.3f}–{hi:.3f} | {m.get('accepted_per_round', float('nan')):.3f}"
+                     f" | {m.get('verify_rate', float('nan')):.3f} | {m['tokens_per_s']:.1f} |")
+    lines += ["", "| paired (same prompts) | tau ratio | 95 % | resamples with ratio <= 1 |",
+              "| --- | --- | --- | --- |"]
+    for key, c in _paired(evals).items():
+        lines.append(f"| {key} | {c['ratio']:.3f} | {c['ci'][0]:.3f}–{c['ci'][1]:.3f} | {c['p_not_above']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
