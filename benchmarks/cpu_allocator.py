@@ -11,34 +11,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from _training import train_in_subprocess  # benchmarks/_training.py
+from dspark.config import to_dict
 from dspark.metrics import markdown_table
-from dspark.quickstart import DRAFT_LENGTH, SIZES, environment
+from dspark.quickstart import SIZES, environment, training_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZE = SIZES["small"]  # the quickstart's default recipe, fewer steps (lr and warmup as dspark/quickstart.py sets them)
-TRAIN = ["--host", "smollm2", "--drafter", "dspark", "--data", "sharegpt",
-         "--data-limit", str(SIZE.train_conversations), "--max-length", str(SIZE.seq_len),
-         "--seq-len", str(SIZE.seq_len), "--batch-size", str(SIZE.batch_size),
-         "--lr", "2e-3", "--warmup-ratio", "0.05", "--save-every", "100000", "--eval-every", "0", "--report-to", "none",
-         "--drafter-args", f"num_layers={SIZE.num_layers}", f"gamma={DRAFT_LENGTH}", f"max_anchors={SIZE.max_anchors}"]
+SIZE = SIZES["small"]  # the quickstart's default recipe (dspark.quickstart.training_config), fewer steps
 
 
-def run(tuning: int, steps: int, workdir: Path) -> dict:
+def run(recipe, tuning: int, workdir: Path) -> dict:
     out = workdir / f"run-{tuning}-{len(list(workdir.iterdir()))}"
-    env = dict(os.environ, DSPARK_MALLOC_TUNING=str(tuning), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, "-m", "dspark.train", *TRAIN, "--max-steps", str(steps), "--output", str(out)],
-                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = train_in_subprocess(replace(recipe, output=str(out)), DSPARK_MALLOC_TUNING=str(tuning))
     train = [r for r in records if r.get("kind") == "train"]
     return {"tuning": bool(tuning), "steps": len(train), "final_loss": train[-1]["loss"],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:]),
@@ -51,8 +43,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu"))
     args = parser.parse_args()
+    recipe = training_config(SIZE, output="<run dir>", max_steps=args.steps, save_every=100000)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run(tuning, args.steps, Path(tmp)) for _ in range(args.repeats) for tuning in (0, 1)]
+        runs = [run(recipe, tuning, Path(tmp)) for _ in range(args.repeats) for tuning in (0, 1)]
     rows = []
     for tuning in (False, True):
         mine = [r for r in runs if r["tuning"] == tuning]
@@ -63,7 +56,7 @@ def main() -> None:
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     same = len({r["final_loss"] for r in runs}) == 1
     result = {"environment": environment(torch.device("cpu")), "command": " ".join(["python", *sys.argv]),
-              "train_args": TRAIN, "runs": runs, "summary": rows, "speedup": speedup, "same_losses": same}
+              "train_config": to_dict(recipe), "runs": runs, "summary": rows, "speedup": speedup, "same_losses": same}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "allocator.json").write_text(json.dumps(result, indent=1) + "\n")

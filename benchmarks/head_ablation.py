@@ -16,53 +16,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from _training import train_in_subprocess  # benchmarks/_training.py
+from dspark.config import to_dict
 from dspark.metrics import markdown_table
-from dspark.quickstart import DRAFT_LENGTH, SIZES, environment
+from dspark.quickstart import SIZES, environment, training_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "experiments" / "data" / "sharegpt_smollm2_regen.jsonl.gz"
 SIZE = SIZES["small"]
 HEADS = {  # head -> (drafter, drafter args beyond the shared backbone)
-    "markov": ("dspark", ["head=markov", "confidence=true"]),
-    "gated": ("dspark", ["head=gated", "confidence=true"]),
-    "rnn": ("dspark", ["head=rnn", "confidence=true"]),
-    "none": ("dflash", []),
+    "markov": ("dspark", {"head": "markov", "confidence": True}),
+    "gated": ("dspark", {"head": "gated", "confidence": True}),
+    "rnn": ("dspark", {"head": "rnn", "confidence": True}),
+    "none": ("dflash", {}),
 }
 
 
-def train_args(data: Path, steps: int, data_limit: int) -> list[str]:
-    return ["--host", "smollm2", "--data", str(data), "--data-limit", str(data_limit),
-            "--max-length", str(SIZE.seq_len), "--seq-len", str(SIZE.seq_len), "--batch-size", str(SIZE.batch_size),
-            "--lr", "2e-3", "--warmup-ratio", "0.05", "--max-steps", str(steps), "--save-every", "100000",
-            "--eval-every", str(steps), "--eval-batches", "16", "--seed", "0", "--report-to", "none"]
-
-
-def run(head: str, args, workdir: Path) -> dict:
+def run(head: str, recipe, workdir: Path) -> dict:
     drafter, extra = HEADS[head]
-    out = workdir / head
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "dspark.train", *train_args(Path(args.data), args.steps, args.data_limit),
-           "--drafter", drafter, "--output", str(out), "--drafter-args", f"num_layers={SIZE.num_layers}",
-           f"gamma={DRAFT_LENGTH}", f"max_anchors={SIZE.max_anchors}", *extra]
+    cfg = replace(recipe, output=str(workdir / head), drafter=drafter, drafter_args={**recipe.drafter_args, **extra})
     started = time.perf_counter()
-    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise SystemExit(f"{head}: training failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = train_in_subprocess(cfg)
     train = [r for r in records if r.get("kind") == "train"]
     final = [r for r in records if r.get("kind") == "eval"][-1]
-    return {"head": head, "drafter": drafter, "drafter_args": extra, "steps": len(train),
+    return {"head": head, "drafter": drafter, "drafter_args": cfg.drafter_args, "steps": len(train),
             "heldout_tau": final["tau"], "heldout_acceptance": final["acceptance"], "heldout_loss": final["loss"],
             "final_train_loss": train[-1]["loss"],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:]),
@@ -79,10 +65,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
+    # the quickstart's recipe (dspark.quickstart.training_config) on this data, evaluated once at the end
+    recipe = training_config(SIZE, output="<run dir>", data=args.data, data_limit=args.data_limit,
+                             max_steps=args.steps, save_every=100000, eval_every=args.steps, eval_batches=16)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for head in args.heads:
-            runs.append(run(head, args, Path(tmp)))
+            runs.append(run(head, recipe, Path(tmp)))
             print(f"{head}: held-out tau {runs[-1]['heldout_tau']:.3f} "
                   f"({runs[-1]['wall_s']:.0f} s)", flush=True)
     base = next((r["heldout_tau"] for r in runs if r["head"] == "none"), None)
@@ -95,10 +84,8 @@ def main() -> None:
     command = "python benchmarks/head_ablation.py " + " ".join(sys.argv[1:])
     data = Path(args.data).resolve()
     result = {"environment": environment(torch.device("cpu")), "command": command,
-              "recipe": {"size": "small", "steps": args.steps,
-                         "data": str(data.relative_to(ROOT)) if data.is_relative_to(ROOT) else str(data),
-                         "data_limit": args.data_limit, "num_layers": SIZE.num_layers, "gamma": DRAFT_LENGTH,
-                         "seq_len": SIZE.seq_len, "batch_size": SIZE.batch_size, "max_anchors": SIZE.max_anchors},
+              "recipe": dict(to_dict(recipe), size="small",
+                             data=str(data.relative_to(ROOT)) if data.is_relative_to(ROOT) else str(data)),
               "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

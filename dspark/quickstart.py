@@ -65,6 +65,20 @@ SIZES = {
 DRAFT_LENGTH = 7
 
 
+def training_config(size: Size, *, output: str, **overrides):
+    """The quickstart's DSpark training recipe at `size` as a TrainConfig; `overrides` replace fields (the CPU
+    benchmarks reuse the recipe this way instead of copying its numbers)."""
+    from dspark.train import TrainConfig
+
+    cfg = TrainConfig(
+        output=output, host="smollm2", drafter="dspark",
+        drafter_args={"num_layers": size.num_layers, "gamma": DRAFT_LENGTH, "max_anchors": size.max_anchors},
+        data="sharegpt", data_limit=size.train_conversations, max_length=size.seq_len, seq_len=size.seq_len,
+        batch_size=size.batch_size, max_steps=size.max_steps, lr=2e-3, warmup_ratio=0.05,
+        save_every=max(10, size.max_steps // 4), eval_every=0, project="dspark-quickstart")
+    return replace(cfg, **overrides)
+
+
 def _say(step: int, total: int, text: str) -> None:
     print(f"[quickstart {step}/{total}] {text}", flush=True)
 
@@ -76,7 +90,7 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
     from dspark.decode import generate
     from dspark.metrics import summarize
     from dspark.sampling import SamplingConfig
-    from dspark.train import TrainConfig, train
+    from dspark.train import train
     from drafters import NgramDrafter, load_drafter
     from verifiers import build_verifier
     from verifiers.cost_model import profile
@@ -95,14 +109,8 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
 
     _say(2, total, f"training a {size.num_layers}-layer DSpark drafter for {size.max_steps} steps on "
                    f"{size.train_conversations} ShareGPT conversations -> {out / 'drafter'}")
-    train_cfg = TrainConfig(
-        output=str(out / "drafter"), host=cfg.host, drafter="dspark",
-        drafter_args={"num_layers": size.num_layers, "gamma": DRAFT_LENGTH,
-                                                    "max_anchors": size.max_anchors}, data="sharegpt",
-        data_limit=size.train_conversations, max_length=size.seq_len, seq_len=size.seq_len,
-        batch_size=size.batch_size, max_steps=size.max_steps, lr=2e-3, warmup_ratio=0.05,
-        save_every=max(10, size.max_steps // 4), eval_every=0, report_to=cfg.report_to, seed=cfg.seed,
-        project="dspark-quickstart")
+    train_cfg = training_config(size, output=str(out / "drafter"), host=cfg.host, report_to=cfg.report_to,
+                                seed=cfg.seed)
     checkpoint = train(train_cfg, host=host)
     host.model.to(device=device, dtype=torch.float32)  # training may have moved/cast nothing, but be explicit
     drafter = load_drafter(checkpoint, host)

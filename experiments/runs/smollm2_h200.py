@@ -344,7 +344,7 @@ def collect() -> None:
         results["sweep"] = json.loads((RUN / "sweep" / "sweep.json").read_text())
     results["paired"] = _paired(evals)
     (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (OUT / "results.md").write_text(_table(evals))
+    (OUT / "results.md").write_text(_table(evals, results["paired"]))
     if any((RUN / n / "metrics.jsonl").exists() for n in DRAFTERS):
         _curves(OUT / "training_curves.png")
     for src, dst in ((cal.with_suffix(".png") if cal else None, "calibration.png"),
@@ -378,7 +378,7 @@ def _paired(evals: dict) -> dict:
     return paired
 
 
-def _table(evals: dict) -> str:
+def _table(evals: dict, paired: dict) -> str:
     nan2 = [float("nan")] * 2
     lines = ["| run | tau | tau 95 % | accepted/round | verify rate | tokens/s |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -388,7 +388,7 @@ def _table(evals: dict) -> str:
                      f" | {m.get('verify_rate', float('nan')):.3f} | {m['tokens_per_s']:.1f} |")
     lines += ["", "| paired (same prompts) | tau ratio | 95 % | resamples with ratio <= 1 |",
               "| --- | --- | --- | --- |"]
-    for key, c in _paired(evals).items():
+    for key, c in paired.items():
         lines.append(f"| {key} | {c['ratio']:.3f} | {c['ci'][0]:.3f}–{c['ci'][1]:.3f} | {c['p_not_above']:.1%} |")
     return "\n".join(lines) + "\n"
 
