@@ -1,13 +1,15 @@
 """Which sequential head? DSpark's Markov / gated Markov / RNN heads against DFlash (no head), same everything else.
 
     python benchmarks/head_ablation.py [--steps 120] [--heads markov gated rnn none] [--out benchmarks/cpu]
+    python benchmarks/head_ablation.py --heads markov --max-anchors 40 160 --name anchor_ablation
 
 Trains one drafter per head for SmolLM2 on the recorded self-distilled ShareGPT data
 (experiments/data/sharegpt_smollm2_regen.jsonl.gz, the H200 runs' training data) with the quickstart's `small`
 CPU recipe (dspark/quickstart.py SIZES['small']), each in a fresh process with the same seed, data order and
 budget, and compares their teacher-forced held-out acceptance (per position and expected tau, the training's own
-evaluation on the held-out split). `none` is DFlash: the same backbone, heads off, L = L_ce. Writes
-OUT/head_ablation.json (every run, machine, versions, command, date) and OUT/head_ablation.md.
+evaluation on the held-out split). `none` is DFlash: the same backbone, heads off, L = L_ce. `--max-anchors`
+runs every head at each anchors-per-sequence cap (default: the recipe's). Writes OUT/NAME.json (every run,
+machine, versions, command, date) and OUT/NAME.md, NAME = head_ablation unless --name says otherwise.
 
 A small-budget CPU comparison: it ranks the heads early in training, it does not predict converged tau on a GPU
 run (benchmarks/RESULTS.md has those).
@@ -41,14 +43,16 @@ HEADS = {  # head -> (drafter, drafter args beyond the shared backbone)
 }
 
 
-def run(head: str, recipe, workdir: Path) -> dict:
+def run(head: str, max_anchors: int, recipe, workdir: Path) -> dict:
     drafter, extra = HEADS[head]
-    cfg = replace(recipe, output=str(workdir / head), drafter=drafter, drafter_args={**recipe.drafter_args, **extra})
+    cfg = replace(recipe, output=str(workdir / f"{head}_{max_anchors}"), drafter=drafter,
+                  drafter_args={**recipe.drafter_args, **extra, "max_anchors": max_anchors})
     started = time.perf_counter()
     records = train_in_subprocess(cfg)
     train = [r for r in records if r.get("kind") == "train"]
     final = [r for r in records if r.get("kind") == "eval"][-1]
-    return {"head": head, "drafter": drafter, "drafter_args": cfg.drafter_args, "steps": len(train),
+    return {"head": head, "max_anchors": max_anchors, "drafter": drafter, "drafter_args": cfg.drafter_args,
+            "steps": len(train),
             "heldout_tau": final["tau"], "heldout_acceptance": final["acceptance"], "heldout_loss": final["loss"],
             "final_train_loss": train[-1]["loss"],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:]),
@@ -61,25 +65,34 @@ def main() -> None:
     parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     parser.add_argument("--data", default=str(DATA), help="chat JSONL[.gz]; default: the recorded SmolLM2 regeneration")
     parser.add_argument("--data-limit", type=int, default=1000, help="training conversations read")
+    parser.add_argument("--max-anchors", type=int, nargs="+", default=[SIZE.max_anchors],
+                        help="anchors-per-sequence caps to run each head at (default: the recipe's)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu"))
+    parser.add_argument("--name", default="head_ablation", help="stem of the written .json / .md")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
+    if min(args.max_anchors) < 1:
+        parser.error("--max-anchors must be at least 1")
     # the quickstart's recipe (dspark.quickstart.training_config) on this data, evaluated once at the end
     recipe = training_config(SIZE, output="<run dir>", data=args.data, data_limit=args.data_limit,
                              max_steps=args.steps, save_every=100000, eval_every=args.steps, eval_batches=16)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for head in args.heads:
-            runs.append(run(head, recipe, Path(tmp)))
-            print(f"{head}: held-out tau {runs[-1]['heldout_tau']:.3f} "
-                  f"({runs[-1]['wall_s']:.0f} s)", flush=True)
-    base = next((r["heldout_tau"] for r in runs if r["head"] == "none"), None)
-    rows = [{"head": r["head"] if r["head"] != "none" else "none (DFlash)", "tau": r["heldout_tau"],
-             "vs": r["heldout_tau"] / base if base else float("nan"),
+            for max_anchors in args.max_anchors:
+                runs.append(run(head, max_anchors, recipe, Path(tmp)))
+                print(f"{head}, {max_anchors} anchors: held-out tau {runs[-1]['heldout_tau']:.3f} "
+                      f"({runs[-1]['wall_s']:.0f} s)", flush=True)
+    # each run against DFlash at the same anchors cap, where that ran
+    base = {r["max_anchors"]: r["heldout_tau"] for r in runs if r["head"] == "none"}
+    rows = [{"head": r["head"] if r["head"] != "none" else "none (DFlash)", "anchors": r["max_anchors"],
+             "tau": r["heldout_tau"],
+             "vs": f"{r['heldout_tau'] / base[r['max_anchors']]:.3f}" if r["max_anchors"] in base else "-",
              "acc": " ".join(f"{a:.2f}" for a in r["heldout_acceptance"]), "loss": r["final_train_loss"],
              "speed": r["tokens_per_s"]} for r in runs]
-    columns = [("head", "head"), ("tau", "held-out tau"), ("vs", "tau / DFlash's"), ("acc", "acceptance at 1..7"),
+    columns = [("head", "head"), ("anchors", "max anchors / sequence"), ("tau", "held-out tau"),
+               ("vs", "tau / DFlash's (same cap)"), ("acc", "acceptance at 1..7"),
                ("loss", "final train loss"), ("speed", "tokens/s")]
     command = "python benchmarks/head_ablation.py " + " ".join(sys.argv[1:])
     data = Path(args.data).resolve()
@@ -89,14 +102,14 @@ def main() -> None:
               "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "head_ablation.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     env = result["environment"]
-    (out / "head_ablation.md").write_text(
-        f"# Sequential head ablation (CPU, {args.steps} steps)\n\n`{command}` on {env['processor']}, "
+    (out / f"{args.name}.md").write_text(
+        f"# Sequential head / anchors ablation (CPU, {args.steps} steps)\n\n`{command}` on {env['processor']}, "
         f"{env['cpu_threads']} threads, torch {env['torch']}, transformers {env['transformers']}, {env['date']}.\n"
         "Teacher-forced acceptance on the held-out split of the same data; same seed, data order and budget.\n\n"
         + markdown_table(rows, columns) + "\n")
-    print((out / "head_ablation.md").read_text())
+    print((out / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":

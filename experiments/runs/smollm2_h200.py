@@ -6,13 +6,15 @@ skips or resumes what an earlier, interrupted call already finished, so a phase 
 
     python experiments/runs/smollm2_h200.py prepare regenerate train     # phase A
     python experiments/runs/smollm2_h200.py train evaluate collect       # phase B (train: finishes or no-ops)
+    python experiments/runs/smollm2_h200.py rest collect                 # the rest of the held-out split too
 
 RUN (default /tmp/dspark-run) holds everything; `collect` packs the results into OUT (default $OUT) as at most
 eight files: results.json / results.md (every number of benchmarks/RESULTS.md), training_curves.png,
 calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.jsonl, eval JSONs, logs).
 Settings are the constants below; same data and the same budget for the three drafters, gamma = 7.
 
-Environment knobs: STEPS (default 2000); BACKBONE_LAYERS (DSpark / DFlash depth, default 5); TRAIN_WAIT_S (how
+Environment knobs: STEPS (default 2000); BACKBONE_LAYERS (DSpark / DFlash depth, default 5); MAX_ANCHORS (DSpark /
+DFlash blocks per training row, default 512); TRAIN_WAIT_S (how
 long `train` waits in this call); ONLY=dspark,... (a subset of the drafters, e.g. one per session so that it trains
 alone on the GPU); REGEN_FROM=FILE[.gz] (copy a recorded regeneration instead of regenerating:
 experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03 H200 one, 5482 prompts, sha256 of the plain JSONL
@@ -51,9 +53,14 @@ if os.environ.get("DRY_RUN"):  # the whole pipeline in minutes on a CPU, to chec
 # used 3, BACKBONE_LAYERS=3). Even at 5 a DSpark training step takes less GPU time than EAGLE-3's (measured shared:
 # 22.9k vs 15.9k tokens/s): EAGLE-3 runs the frozen LM head over 7 unrolled TTT steps of every position.
 BACKBONE_LAYERS = int(os.environ.get("BACKBONE_LAYERS", 5))
+# Anchors (blocks) per 2048-token training row for DSpark / DFlash. DeepSpec's cap is 512, but a row of the recorded
+# data holds ~1369 response tokens (555-1772), so 512 trains a block on 37 % of them per step, while EAGLE-3's TTT
+# unrolls from every response position. Runs up to 2026-12-03 used 512.
+MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 512))
 DRAFTERS = {  # EAGLE-3 as published (one layer, TTT = gamma)
-    "dspark": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true"],
-    "dflash": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}"],
+    "dspark": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true",
+               f"max_anchors={MAX_ANCHORS}"],
+    "dflash": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", f"max_anchors={MAX_ANCHORS}"],
     "eagle3": [f"ttt_length={GAMMA}"],
 }
 if os.environ.get("ONLY"):  # ONLY=dspark,eagle3: train / evaluate a subset (one drafter per session, alone on the GPU)
@@ -188,11 +195,15 @@ def train() -> None:
         raise SystemExit(0)
 
 
-def _eval(tag: str, data: str, *extra: str, temperature: float = 0.0) -> None:
-    out = RUN / "eval" / f"{tag}_{data}_T{temperature:g}.json"
+def _eval(tag: str, data: str, *extra: str, temperature: float = 0.0, rest: bool = False) -> None:
+    """One `dspark eval` into RUN/eval (rest=True: the held-out ShareGPT prompts after the first EVAL['limit'],
+    into RUN/eval_rest, a second disjoint sample of the same split)."""
+    out = RUN / ("eval_rest" if rest else "eval") / f"{tag}_{data}{'_rest' if rest else ''}_T{temperature:g}.json"
     if out.exists():
         return
     n = ["--limit", str(EVAL["humaneval"] if data == "humaneval" else EVAL["limit"])]
+    if rest:
+        n = ["--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"])]  # all that are left (recorded: 167)
     dspark("eval", "--host", "smollm2", *SETS[data], *n, "--max-prompt-length", str(EVAL["max_prompt_length"]),
            "--max-new-tokens", str(EVAL["max_new_tokens"]), "--temperature", f"{temperature:g}",
            "--draft-length", str(GAMMA), "--seed", "0", "--output", str(out), "--json", *extra)
@@ -238,6 +249,16 @@ def evaluate() -> None:
             env = dict(os.environ, **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if mode == "deterministic" else {}))
             subprocess.run([sys.executable, __file__, "determinism", mode, ckpt["dspark"], str(target)], env=env,
                            check=True)
+
+
+def rest() -> None:
+    """Every drafter on the rest of the held-out ShareGPT split (after the evaluation's first EVAL['limit'])."""
+    from dspark.api import checkpoint_dir
+
+    for temperature in (0.0, 1.0):
+        for name in DRAFTERS:
+            _eval(name, "sharegpt", "--drafter-path", str(checkpoint_dir(RUN / name)), temperature=temperature,
+                  rest=True)
 
 
 def determinism(mode: str, drafter_path: str, target: str) -> None:
@@ -343,8 +364,14 @@ def collect() -> None:
     if (RUN / "sweep" / "sweep.json").exists():
         results["sweep"] = json.loads((RUN / "sweep" / "sweep.json").read_text())
     results["paired"] = _paired(evals)
+    evals_rest = {p.stem: json.loads(p.read_text()) for p in sorted((RUN / "eval_rest").glob("*.json"))}
+    if evals_rest:
+        results["eval_rest"] = evals_rest
+        results["paired_rest"] = _paired(evals_rest)
     (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (OUT / "results.md").write_text(_table(evals, results["paired"]))
+    (OUT / "results.md").write_text(_table(evals, results["paired"]) + (
+        "\n## The rest of the held-out ShareGPT split\n\n" + _table(evals_rest, results["paired_rest"])
+        if evals_rest else ""))
     if any((RUN / n / "metrics.jsonl").exists() for n in DRAFTERS):
         _curves(OUT / "training_curves.png")
     for src, dst in ((cal.with_suffix(".png") if cal else None, "calibration.png"),
@@ -354,6 +381,7 @@ def collect() -> None:
             (OUT / dst).write_bytes(src.read_bytes())
     with tarfile.open(OUT / "details.tar.gz", "w:gz") as tar:
         for path in [*RUN.glob("*/metrics.jsonl"), *RUN.glob("*.log"), *RUN.glob("eval/*.json"),
+                     *RUN.glob("eval_rest/*.json"),
                      *RUN.glob("sweep/*"), *RUN.glob("*/checkpoint-*/calibration*.json"), *RUN.glob("*.json"),
                      RUN / "common.yaml"]:
             if path.exists():
@@ -398,7 +426,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["determinism"]:
         determinism(*sys.argv[2:5])
         sys.exit(0)
-    steps = {"prepare": prepare, "regenerate": regenerate, "train": train, "evaluate": evaluate, "collect": collect}
+    steps = {"prepare": prepare, "regenerate": regenerate, "train": train, "evaluate": evaluate, "rest": rest,
+             "collect": collect}
     for step in sys.argv[1:]:
         say(f"== {step}")
         steps[step]()
