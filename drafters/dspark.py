@@ -79,6 +79,11 @@ class DSparkConfig(HostFields):
         return with_host(self, host, spread_layers(host.num_layers, self.num_feature_layers))
 
 
+def variant_name(head: str) -> str:
+    """What a DSpark-class drafter is called in reports: "dflash" with no sequential head, else "dspark"."""
+    return "dflash" if head == "none" else "dspark"
+
+
 def dflash_config(**overrides) -> DSparkConfig:
     """DFlash (DSPARK.md §2.2): the DSpark drafter with no sequential head, no confidence, and L = L_ce."""
     return DSparkConfig(**{"head": "none", "confidence": False, "ce_weight": 1.0, "tv_weight": 0.0,
@@ -109,7 +114,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     def __init__(self, host, config: DSparkConfig | None = None) -> None:
         super().__init__()
         config = self.bind_host(host, config, source="DSpark config")
-        self.name = "dflash" if config.head == "none" else "dspark"
+        self.name = variant_name(config.head)
         shape = LayerShape.of(host)
         H, V, r, m = host.hidden_size, host.vocab_size, config.rank, len(config.feature_layers)
         self.fc = nn.Linear(m * H, H, bias=False)

@@ -169,13 +169,17 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
 
 
 def _drafter_label(d: DecodeOptions) -> str:
-    """The drafter's kind for reports: the flag, or the checkpoint's config.json kind when only a path is given."""
+    """The drafter's kind for reports: the flag, or the checkpoint's config.json kind when only a path is given
+    (dflash for a DSpark-class checkpoint with no head)."""
     if d.drafter != "none" or d.drafter_path is None:
         return d.drafter
     from dspark.api import checkpoint_dir
     from drafters.checkpoint import read_config
+    from drafters.dspark import DSparkConfig, variant_name
 
-    return read_config(checkpoint_dir(d.drafter_path))["kind"]
+    config = read_config(checkpoint_dir(d.drafter_path))
+    # a DFlash checkpoint is a DSpark-class one with the head off: name it as the drafter names itself
+    return variant_name(config["config"].get("head", DSparkConfig.head)) if config["kind"] == "dspark" else config["kind"]
 
 
 def cmd_eval(argv) -> int:

@@ -19,6 +19,7 @@ import torch
 from test_regenerate import chat_host, write_conversations
 
 import dspark.train as train_module
+from dspark.cli import DecodeOptions, _drafter_label
 from drafters import DRAFTERS, build_drafter, load_drafter
 from dspark.train import TrainConfig, checkpoints, main_train, read_metrics, train
 
@@ -91,6 +92,8 @@ def test_loss_falls_only_drafter_trains_checkpoint_loads(tmp_path, chat_data, ki
     assert not [f for f in files if f.endswith((".pt", ".bin", ".pkl"))]
     state = json.loads((path / "trainer_state.json").read_text())
     assert state["step"] == 24 and state["config"]["drafter"] == kind
+    # reports name the checkpoint by what it is (a DFlash checkpoint is a DSpark-class one with no head)
+    assert _drafter_label(DecodeOptions(drafter_path=str(path))) == kind
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):

@@ -5,16 +5,24 @@
 # host's, no weights or data need staging; the acceptance numbers in the logs mean nothing.
 #
 #   OUT=/tmp/out SEQ=2048 BS=4 STEPS_SOLO=60 bash experiments/runs/solo_throughput.sh
+#   ANCHORS="512 1024" ...   # DSpark / DFlash at each anchors-per-row cap (default 512, the recorded runs')
 #
-# Prints, per drafter: steps, median tokens/s and median s/step after the first 5 steps, peak GiB; copies each
-# run's metrics.jsonl to $OUT/solo_<drafter>.jsonl.
+# Prints, per run: steps, median tokens/s and median s/step after the first 5 steps, peak GiB; copies each
+# run's metrics.jsonl to $OUT/solo_<run>.jsonl (run = drafter, plus _a<anchors> when ANCHORS has several).
 set -euo pipefail
 OUT=${OUT:?set OUT}; SEQ=${SEQ:-2048}; BS=${BS:-4}; STEPS_SOLO=${STEPS_SOLO:-60}; WORK=${WORK:-/tmp/solo}
+ANCHORS=${ANCHORS:-512}
 mkdir -p "$WORK" "$OUT"
-for spec in "dspark num_layers=5 gamma=7 head=markov rank=256 confidence=true" "dflash num_layers=5 gamma=7" \
-            "eagle3 ttt_length=7"; do
-  set -- $spec; name=$1; shift
-  python3 -m dspark.train --host random:smollm2 --data synthetic:512 --drafter "$name" --output "$WORK/$name" \
+specs=()
+for a in $ANCHORS; do
+  tag=$([ "$ANCHORS" = "$a" ] && echo "" || echo "_a$a")
+  specs+=("dspark$tag dspark num_layers=5 gamma=7 head=markov rank=256 confidence=true max_anchors=$a"
+          "dflash$tag dflash num_layers=5 gamma=7 max_anchors=$a")
+done
+specs+=("eagle3 eagle3 ttt_length=7")
+for spec in "${specs[@]}"; do
+  set -- $spec; name=$1; drafter=$2; shift 2
+  python3 -m dspark.train --host random:smollm2 --data synthetic:512 --drafter "$drafter" --output "$WORK/$name" \
     --max-length "$SEQ" --seq-len "$SEQ" --batch-size "$BS" --max-steps "$STEPS_SOLO" --save-every 100000 \
     --eval-every 0 --bf16 true --report-to none --seed 0 --drafter-args "$@" > "$WORK/$name.log" 2>&1 \
     || { tail -20 "$WORK/$name.log"; exit 1; }
