@@ -179,7 +179,9 @@ def _drafter_label(d: DecodeOptions) -> str:
 
     config = read_config(checkpoint_dir(d.drafter_path))
     # a DFlash checkpoint is a DSpark-class one with the head off: name it as the drafter names itself
-    return variant_name(config["config"].get("head", DSparkConfig.head)) if config["kind"] == "dspark" else config["kind"]
+    if config["kind"] == "dspark":
+        return variant_name(config["config"].get("head", DSparkConfig.head))
+    return config["kind"]
 
 
 def cmd_eval(argv) -> int:

@@ -15,6 +15,8 @@
 #   dspark (3 layers, gamma 7) ~85k tokens/s, 44.5 GiB peak; dflash ~99k tokens/s, 44 GiB;
 #   eagle3 (ttt 7) ~40k tokens/s, 93 GiB; so 6000 steps (98M tokens) take roughly 20 / 17 / 41 minutes.
 #   At 5 layers DSpark ran 13 % fewer tokens/s than at 3 in the shared H200 runs (22.9k vs 26.4k, RESULTS.md).
+#   Alone on the H200 at batch 4 x 2048, 5 layers (solo_throughput.sh, 2026-12-04): DSpark 62.8k tokens/s at 512
+#   anchors, 38.3k at 1024 (46 GiB); DFlash 72.2k / 42.1k; EAGLE-3 34.2k (27 GiB).
 set -euo pipefail
 
 OUT=${OUT:-runs/smollm2}
@@ -22,6 +24,7 @@ DATA=${DATA:-$OUT/sharegpt_smollm2_regen.jsonl}
 STEPS=${STEPS:-6000}          # optimizer steps, identical for the three drafters (~8 epochs of the regenerated data)
 STAGES=${STAGES:-"regenerate train"}
 LAYERS=${LAYERS:-5}            # DSpark / DFlash backbone depth (benchmarks/RESULTS.md: 5 vs 3)
+ANCHORS=${ANCHORS:-1024}       # DSpark / DFlash blocks per 2048-token row (RESULTS.md: 1024 vs DeepSpec's 512)
 REPORT_TO=${REPORT_TO:-none}  # wandb (offline unless WANDB_MODE is set) or tensorboard where installed
 TRAIN=${TRAIN:-python -m dspark.train}         # = `dspark train`
 REGENERATE=${REGENERATE:-python -m dspark.regenerate}  # = `dspark regenerate`
@@ -63,12 +66,12 @@ EOF
 
 if [[ " $STAGES " == *" train "* ]]; then
   # DSpark: LAYERS backbone layers (default 5, DeepSpec's; 3 is the DeepSeek-V4 production depth), Markov head
-  # r = 256, confidence head, gamma 7.
+  # r = 256, confidence head, gamma 7, ANCHORS blocks per row.
   $TRAIN --config "$OUT/common.yaml" --drafter dspark --output "$OUT/dspark" \
-    --drafter-args num_layers=$LAYERS gamma=7 head=markov rank=256 confidence=true
-  # DFlash: the same backbone with the heads off (L = L_ce), gamma 7.
+    --drafter-args num_layers=$LAYERS gamma=7 head=markov rank=256 confidence=true max_anchors=$ANCHORS
+  # DFlash: the same backbone with the heads off (L = L_ce), gamma 7, the same anchors.
   $TRAIN --config "$OUT/common.yaml" --drafter dflash --output "$OUT/dflash" \
-    --drafter-args num_layers=$LAYERS gamma=7
+    --drafter-args num_layers=$LAYERS gamma=7 max_anchors=$ANCHORS
   # EAGLE-3: one layer, training-time test unrolled 7 steps (= gamma).
   $TRAIN --config "$OUT/common.yaml" --drafter eagle3 --output "$OUT/eagle3" \
     --drafter-args ttt_length=7
