@@ -9,17 +9,21 @@ sequence axis. Which keys a query may see is entirely the caller's additive mask
     (rollback = moving a length, rows selectable); the block attends bidirectionally to itself and to context
     positions < anchor (`inference_mask`);
   - DSpark/DFlash training: many blocks of one sequence in one pass, block j seeing context < anchor_j of its own
-    document and its own block (`block_training_mask`), no Python loop over blocks;
+    document and its own block (`block_training_mask`), no Python loop over blocks; on a GPU the same mask as a
+    flex-attention BlockMask, which skips the fully masked tiles (`sparse_training_attention`);
   - MTP: a plain causal decoder layer (no context at training, its own earlier inputs as context at inference).
 RoPE uses absolute positions (the host's own rotary module, so theta and any scaling match the host).
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers.activations import ACT2FN
 
 from dspark.kv_cache import KVCache
@@ -147,8 +151,9 @@ class InjectionLayer(nn.Module):
         return self._kv(self.input_layernorm(ctx) if self.norm_context else ctx, cos, sin)
 
     def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
-                context: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor) -> torch.Tensor:
-        """Block x (B, S, H) -> (B, S, H). context: (k, v) (B, Hkv, C, D) or None; mask additive (B, 1, S, C+S)."""
+                context: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+        """Block x (B, S, H) -> (B, S, H). context: (k, v) (B, Hkv, C, D) or None; mask additive (B, 1, S, C+S),
+        or the BlockMask of the same allowed keys (`block_training_mask(..., sparse=True)`)."""
         B, S, _ = x.shape
         shape = self.shape
         h = self.input_layernorm(x)
@@ -160,8 +165,13 @@ class InjectionLayer(nn.Module):
         if context is not None:
             k = torch.cat([context[0], k], dim=2)  # (B, Hkv, C+S, D)
             v = torch.cat([context[1], v], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=shape.head_dim ** -0.5,
-                                           enable_gqa=shape.num_heads != shape.num_kv_heads)
+        gqa = shape.num_heads != shape.num_kv_heads
+        if isinstance(mask, BlockMask):  # sparse training mask: the same keys allowed, masked tiles skipped
+            o = _flex_attention(q.device.type)(q, k, v, block_mask=mask, scale=shape.head_dim ** -0.5,
+                                               enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=shape.head_dim ** -0.5,
+                                               enable_gqa=gqa)
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -185,7 +195,8 @@ class InjectionStack(nn.Module):
             cache.write(i, k, v, positions)
 
     def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
-                context: list[tuple[torch.Tensor, torch.Tensor]] | None, mask: torch.Tensor) -> torch.Tensor:
+                context: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                mask: torch.Tensor | BlockMask) -> torch.Tensor:
         """Block x (B, S, H) -> final-normed hidden (B, S, H). context: per-layer (k, v) or None."""
         for i, layer in enumerate(self.layers):
             x = layer(x, cos=cos, sin=sin, context=None if context is None else context[i], mask=mask)
@@ -217,15 +228,47 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first  # (B, T)
 
 
-def block_training_mask(anchors: torch.Tensor, *, gamma: int, document_ids: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Additive (B, 1, A*gamma, T + A*gamma) for A blocks of gamma slots laid out anchor-major.
+def sparse_training_attention(x: torch.Tensor) -> bool:
+    """Whether block training on x uses the flex-attention BlockMask: on CUDA in 16-bit (bf16 / fp16 autocast, as
+    `dspark train --bf16` runs), unless DSPARK_SPARSE_ATTENTION=0.
+
+    why: the dense mask makes every block query score all T + A*gamma keys, of which it may see at most T + gamma
+    (its own block's gamma among the A*gamma block slots, and only context before its anchor), so the cost grows as
+    A^2; flex attention skips the fully masked 128 x 128 tiles (benchmarks/RESULTS.md has the measured step times).
+    why not elsewhere: on a CPU flex attention has no compiled kernel and no backward; on the H200 (torch 2.11)
+    inductor found no flex kernel configuration for fp32 inputs."""
+    if x.device.type != "cuda" or os.environ.get("DSPARK_SPARSE_ATTENTION", "1") == "0":
+        return False
+    half = (torch.bfloat16, torch.float16)
+    return x.dtype in half or (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in half)
+
+
+@functools.cache
+def _flex_attention(device_type: str):
+    """flex_attention, compiled where a compiled kernel exists (CUDA); eager elsewhere (tests: same numbers)."""
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
+def block_training_mask(anchors: torch.Tensor, *, gamma: int, document_ids: torch.Tensor, dtype: torch.dtype,
+                        sparse: bool = False) -> torch.Tensor | BlockMask:
+    """Additive (B, 1, A*gamma, T + A*gamma) for A blocks of gamma slots laid out anchor-major; with sparse=True the
+    flex-attention BlockMask of exactly the same allowed keys.
 
     Block j (anchored at anchors[b, j]) sees context positions t < anchor_j of the anchor's own document and the
     gamma slots of its own block (bidirectionally), nothing of the other blocks.
     """
     B, A = anchors.shape
     T = document_ids.shape[1]
+    if sparse:
+        slot_anchor = anchors.repeat_interleave(gamma, dim=1)  # (B, A*gamma) the anchor of each query slot
+        slot_doc = document_ids.gather(1, anchors).repeat_interleave(gamma, dim=1)  # (B, A*gamma)
+
+        def allowed(b, h, q, kv):  # flex mask_mod: scalar indices in, bool out (flex vectorises it)
+            t = kv.clamp(max=T - 1)
+            context = (kv < T) & (t < slot_anchor[b, q]) & (document_ids[b, t] == slot_doc[b, q])
+            return context | ((kv >= T) & ((kv - T) // gamma == q // gamma))
+
+        return create_block_mask(allowed, B, None, A * gamma, T + A * gamma, device=anchors.device)
     t = torch.arange(T, device=anchors.device)
     anchor_doc = document_ids.gather(1, anchors)  # (B, A)
     ctx_ok = (t.view(1, 1, T) < anchors.unsqueeze(2)) & (document_ids.unsqueeze(1) == anchor_doc.unsqueeze(2))

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
 from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context,
-                             document_positions, inference_mask)
+                             document_positions, inference_mask, sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
 from dspark.kv_cache import KVCache
@@ -135,6 +135,8 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         # float32 master weights whatever the host's dtype (train under autocast; cast with .to() for inference)
         self.to(device=host.device)
         self.cache: KVCache | None = None
+        # training attention: None = sparse_training_attention decides per call; True / False force it (tests)
+        self.sparse_attention: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -240,7 +242,9 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         k = torch.arange(gamma, device=anchors.device)
         slot_pos = (doc_pos.gather(1, anchors).unsqueeze(2) + k).flatten(1)  # (B, A*gamma)
         cos, sin = self.shared.rotary(x, slot_pos)
-        mask = block_training_mask(anchors, gamma=gamma, document_ids=document_ids, dtype=x.dtype)
+        mask = block_training_mask(anchors, gamma=gamma, document_ids=document_ids, dtype=x.dtype,
+                                   sparse=sparse_training_attention(x) if self.sparse_attention is None
+                                   else self.sparse_attention)
         h = self.backbone(x, cos=cos, sin=sin, context=self.backbone.context_kv(ctx, ctx_cos, ctx_sin), mask=mask)
         h = h.view(B, A, gamma, -1)  # (B, A, gamma, H)
         U = self.shared.logits(h)  # (B, A, gamma, V)

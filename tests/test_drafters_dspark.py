@@ -190,6 +190,64 @@ def test_training_loss_decreases_and_reaches_every_parameter(name, tiny_host):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+def sparse_vs_dense(host, head: str, *, backward: bool):
+    """(loss, grads) of one training step with the dense additive mask and with the flex-attention BlockMask."""
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(host, DSparkConfig(head=head, **SMALL))
+    batch = train_batch(host, drafter)
+    runs = []
+    for use_sparse in (False, True):
+        drafter.sparse_attention = use_sparse
+        drafter.zero_grad()
+        batch.generator.manual_seed(0)  # the same anchors both times
+        with warnings.catch_warnings(), torch.set_grad_enabled(backward):
+            warnings.simplefilter("ignore")  # flex attention without torch.compile on the CPU: correct, slow
+            out = drafter.training_loss(batch)
+        if backward:
+            out.loss.backward()
+        runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if backward}))
+    return runs
+
+
+@pytest.mark.parametrize("head", ["markov", "none"])
+def test_sparse_training_attention_equals_the_dense_mask(head, tiny_host):
+    """The flex-attention BlockMask (what CUDA training uses) allows exactly the keys of the dense additive mask:
+    its kept tiles cover every allowed key, and the loss is the same, on packed rows whose blocks cross documents and
+    response ends. (Flex attention has no backward on the CPU: the gradients are the GPU test's below.)"""
+    from drafters.blocks import block_training_mask
+
+    document_ids = train_batch(tiny_host, DSparkDrafter(tiny_host, DSparkConfig(**SMALL))).document_ids
+    anchors = torch.tensor([[0, 5, 9, 20, 30], [2, 13, 14, 15, 29]])
+    dense = block_training_mask(anchors, gamma=4, document_ids=document_ids, dtype=torch.float32)
+    sparse = block_training_mask(anchors, gamma=4, document_ids=document_ids, dtype=torch.float32, sparse=True)
+    kept = sparse.to_dense().bool()  # (B, 1, query tiles, key tiles)
+    tile_q, tile_k = sparse.BLOCK_SIZE
+    for b in range(2):
+        q, k = (dense[b, 0] == 0).nonzero().unbind(1)
+        assert bool(kept[b, 0, q // tile_q, k // tile_k].all())
+    (dense_loss, _), (sparse_loss, _) = sparse_vs_dense(tiny_host, head, backward=False)
+    torch.testing.assert_close(sparse_loss, dense_loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("head", ["markov", "none"])
+def test_sparse_training_attention_gradients_on_cuda(head):
+    """On CUDA under bf16 autocast, as `dspark train --bf16` runs (compiled flex attention): the sparse path is the
+    one chosen, and loss and every parameter's gradient agree with the dense mask's to bf16 rounding."""
+    from drafters.blocks import sparse_training_attention
+
+    host = Host(tiny_model("llama", hidden=256).cuda(), name="tiny-llama-256")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert sparse_training_attention(torch.zeros(1, device="cuda"))
+        (dense_loss, dense_grads), (sparse_loss, sparse_grads) = sparse_vs_dense(host, head, backward=True)
+    assert not sparse_training_attention(torch.zeros(1, device="cuda"))  # fp32: the dense mask
+    torch.testing.assert_close(sparse_loss, dense_loss, atol=2e-2, rtol=1e-2)
+    for name, grad in dense_grads.items():
+        cosine = torch.nn.functional.cosine_similarity(sparse_grads[name].flatten(), grad.flatten(), dim=0)
+        assert cosine > 0.999 and sparse_grads[name].norm() == pytest.approx(grad.norm(), rel=2e-2), name
+
+
 def test_anchor_blocks_stop_at_response_and_document_ends(tiny_host):
     torch.manual_seed(0)
     drafter = DSparkDrafter(tiny_host, DSparkConfig(max_anchors=3, **SMALL))

@@ -6,6 +6,8 @@
 #
 #   OUT=/tmp/out SEQ=2048 BS=4 STEPS_SOLO=60 bash experiments/runs/solo_throughput.sh
 #   ANCHORS="512 1024" ...   # DSpark / DFlash at each anchors-per-row cap (default 512, the recorded runs')
+#   DRAFTERS="dspark" ...      # a subset (default: dspark dflash eagle3)
+#   DSPARK_SPARSE_ATTENTION=0  # DSpark / DFlash with the dense training mask instead of flex attention (CUDA)
 #
 # Prints, per run: steps, median tokens/s and median s/step after the first 5 steps, peak GiB; copies each
 # run's metrics.jsonl to $OUT/solo_<run>.jsonl (run = drafter, plus _a<anchors> when ANCHORS has several).
@@ -13,6 +15,7 @@ set -euo pipefail
 OUT=${OUT:?set OUT}; SEQ=${SEQ:-2048}; BS=${BS:-4}; STEPS_SOLO=${STEPS_SOLO:-60}; WORK=${WORK:-/tmp/solo}
 ANCHORS=${ANCHORS:-512}
 mkdir -p "$WORK" "$OUT"
+DRAFTERS=${DRAFTERS:-"dspark dflash eagle3"}
 specs=()
 for a in $ANCHORS; do
   tag=$([ "$ANCHORS" = "$a" ] && echo "" || echo "_a$a")
@@ -21,6 +24,7 @@ for a in $ANCHORS; do
 done
 specs+=("eagle3 eagle3 ttt_length=7")
 for spec in "${specs[@]}"; do
+  [[ " $DRAFTERS " == *" $(echo "$spec" | cut -d' ' -f2) "* ]] || continue
   set -- $spec; name=$1; drafter=$2; shift 2
   python3 -m dspark.train --host random:smollm2 --data synthetic:512 --drafter "$drafter" --output "$WORK/$name" \
     --max-length "$SEQ" --seq-len "$SEQ" --batch-size "$BS" --max-steps "$STEPS_SOLO" --save-every 100000 \
