@@ -17,6 +17,7 @@ RoPE uses absolute positions (the host's own rotary module, so theta and any sca
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -228,6 +229,9 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first  # (B, T)
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # torch.compile's GPU backend
+
+
 def sparse_training_attention(x: torch.Tensor) -> bool:
     """Whether block training on x uses the flex-attention BlockMask: on CUDA in 16-bit (bf16 / fp16 autocast, as
     `dspark train --bf16` runs), unless DSPARK_SPARSE_ATTENTION=0.
@@ -236,8 +240,8 @@ def sparse_training_attention(x: torch.Tensor) -> bool:
     (its own block's gamma among the A*gamma block slots, and only context before its anchor), so the cost grows as
     A^2; flex attention skips the fully masked 128 x 128 tiles (benchmarks/RESULTS.md has the measured step times).
     why not elsewhere: on a CPU flex attention has no compiled kernel and no backward; on the H200 (torch 2.11)
-    inductor found no flex kernel configuration for fp32 inputs."""
-    if x.device.type != "cuda" or os.environ.get("DSPARK_SPARSE_ATTENTION", "1") == "0":
+    inductor found no flex kernel configuration for fp32 inputs; without triton torch.compile has no GPU backend."""
+    if x.device.type != "cuda" or os.environ.get("DSPARK_SPARSE_ATTENTION", "1") == "0" or not _HAS_TRITON:
         return False
     half = (torch.bfloat16, torch.float16)
     return x.dtype in half or (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in half)
