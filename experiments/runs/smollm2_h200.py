@@ -56,7 +56,8 @@ BACKBONE_LAYERS = int(os.environ.get("BACKBONE_LAYERS", 5))
 # Anchors (blocks) per 2048-token training row for DSpark / DFlash. DeepSpec's cap is 512, but a row of the recorded
 # data holds ~1369 response tokens (555-1772), so 512 trains a block on 37 % of them per step, while EAGLE-3's TTT
 # unrolls from every response position. Runs up to 2026-12-03 used 512; 1024 (2026-12-04) raised DSpark's tau by
-# 1.5-2.0 % on every row and DFlash's by 0.4 % on average, at 0.209 s per step alone (EAGLE-3: 0.235 s).
+# 1.5-2.0 % on every row and DFlash's by 0.4 % on average, at 0.209 s per step alone (EAGLE-3: 0.235 s); with the
+# sparse training attention added afterwards, 0.170 s.
 MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 1024))
 DRAFTERS = {  # EAGLE-3 as published (one layer, TTT = gamma)
     "dspark": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true",

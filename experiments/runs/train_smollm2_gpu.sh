@@ -16,7 +16,8 @@
 #   eagle3 (ttt 7) ~40k tokens/s, 93 GiB; so 6000 steps (98M tokens) take roughly 20 / 17 / 41 minutes.
 #   At 5 layers DSpark ran 13 % fewer tokens/s than at 3 in the shared H200 runs (22.9k vs 26.4k, RESULTS.md).
 #   Alone on the H200 at batch 4 x 2048, 5 layers (solo_throughput.sh, 2026-12-04): DSpark 62.8k tokens/s at 512
-#   anchors, 38.3k at 1024 (46 GiB); DFlash 72.2k / 42.1k; EAGLE-3 34.2k (27 GiB).
+#   anchors, 38.3k at 1024 (46 GiB); DFlash 72.2k / 42.1k; EAGLE-3 34.2k (27 GiB). With the sparse (flex-attention)
+#   training mask, since the default on CUDA in bf16: DSpark 47.0k, DFlash 49.5k at 1024 anchors.
 set -euo pipefail
 
 OUT=${OUT:-runs/smollm2}
