@@ -101,6 +101,9 @@ class TrainConfig:
         "help": "tracker besides metrics.jsonl (wandb runs offline unless WANDB_MODE is set)"})
     project: str = field(default="dspark", metadata={"help": "tracker project name"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast with fp32 master weights (GPU only)"})
+    sparse_attention: bool = field(default=True, metadata={
+        "help": "DSpark / DFlash block training through a flex-attention BlockMask where it applies (CUDA, bf16, "
+                "triton; same numbers, fewer FLOPs); false = the dense mask everywhere (also DSPARK_SPARSE_ATTENTION=0)"})
     resume: Literal["auto", "always", "never"] = field(default="auto", metadata={
         "const": "always", "help": "auto: continue from the newest checkpoint in output if any; always (bare "
                                    "--resume): require one; never: refuse an output dir that has checkpoints"})
@@ -466,6 +469,8 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
     else:
         drafter = load_drafter(resume_from, host)
     drafter.to(device)
+    if not cfg.sparse_attention and hasattr(drafter, "sparse_attention"):
+        drafter.sparse_attention = False
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     # why fp32: these are the master weights; autocast does the bf16 compute
     bad = [n for n, p in drafter.named_parameters() if p.requires_grad and p.dtype != torch.float32]

@@ -96,6 +96,27 @@ def test_loss_falls_only_drafter_trains_checkpoint_loads(tmp_path, chat_data, ki
     assert _drafter_label(DecodeOptions(drafter_path=str(path))) == kind
 
 
+def test_sparse_attention_flag_reaches_the_block_mask(tmp_path, monkeypatch):
+    """--sparse-attention false makes DSpark training use the dense mask even where the sparse one would apply
+    (here: pretend it applies, and record which mask each training step asked for)."""
+    import drafters.dspark as dspark_module
+
+    asked = []
+    dense = dspark_module.block_training_mask
+
+    def recording(*args, sparse=False, **kwargs):
+        asked.append(sparse)
+        return dense(*args, sparse=False, **kwargs)  # the CPU has no flex backward: compute with the dense mask
+
+    monkeypatch.setattr(dspark_module, "sparse_training_attention", lambda x: True)
+    monkeypatch.setattr(dspark_module, "block_training_mask", recording)
+    train(synthetic_config(tmp_path / "auto", max_steps=1, eval_every=0))
+    assert asked and all(asked)
+    asked.clear()
+    train(synthetic_config(tmp_path / "off", max_steps=1, eval_every=0, sparse_attention=False))
+    assert asked and not any(asked)
+
+
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
     steady = synthetic_config(tmp_path / "steady", grad_accum=2)
     train(steady)

@@ -7,7 +7,8 @@
 #   OUT=/tmp/out SEQ=2048 BS=4 STEPS_SOLO=60 bash experiments/runs/solo_throughput.sh
 #   ANCHORS="512 1024" ...   # DSpark / DFlash at each anchors-per-row cap (default 512, the recorded runs')
 #   DRAFTERS="dspark" ...      # a subset (default: dspark dflash eagle3)
-#   DSPARK_SPARSE_ATTENTION=0  # DSpark / DFlash with the dense training mask instead of flex attention (CUDA)
+#   DSPARK_SPARSE_ATTENTION=0  # DSpark / DFlash with the dense training mask instead of flex attention (CUDA);
+#                              # the same as `dspark train --sparse-attention false`
 #
 # Prints, per run: steps, median tokens/s and median s/step after the first 5 steps, peak GiB; copies each
 # run's metrics.jsonl to $OUT/solo_<run>.jsonl (run = drafter, plus _a<anchors> when ANCHORS has several).
