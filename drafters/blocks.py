@@ -235,7 +235,7 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None  # torch.compile's 
 def sparse_training_attention(x: torch.Tensor) -> bool:
     """Whether block training on x uses the flex-attention BlockMask: on CUDA in 16-bit (bf16 / fp16 autocast, as
     `dspark train --bf16` runs), unless DSPARK_SPARSE_ATTENTION=0 (or `dspark train --sparse-attention false`, which
-    sets the drafter's `sparse_attention` to False)
+    sets the drafter's `sparse_attention` to False).
 
     why: the dense mask makes every block query score all T + A*gamma keys, of which it may see at most T + gamma
     (its own block's gamma among the A*gamma block slots, and only context before its anchor), so the cost grows as
