@@ -103,7 +103,7 @@ class TrainConfig:
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast with fp32 master weights (GPU only)"})
     sparse_attention: bool = field(default=True, metadata={
         "help": "DSpark / DFlash block training through a flex-attention BlockMask where it applies (CUDA, bf16, "
-                "triton; same numbers, fewer FLOPs); false = the dense mask everywhere (also DSPARK_SPARSE_ATTENTION=0)"})
+                "triton; the same keys, fewer FLOPs); false = the dense mask everywhere (= DSPARK_SPARSE_ATTENTION=0)"})
     resume: Literal["auto", "always", "never"] = field(default="auto", metadata={
         "const": "always", "help": "auto: continue from the newest checkpoint in output if any; always (bare "
                                    "--resume): require one; never: refuse an output dir that has checkpoints"})
