@@ -264,9 +264,10 @@ def block_training_mask(anchors: torch.Tensor, *, gamma: int, document_ids: torc
     """
     B, A = anchors.shape
     T = document_ids.shape[1]
+    anchor_doc = document_ids.gather(1, anchors)  # (B, A)
     if sparse:
         slot_anchor = anchors.repeat_interleave(gamma, dim=1)  # (B, A*gamma) the anchor of each query slot
-        slot_doc = document_ids.gather(1, anchors).repeat_interleave(gamma, dim=1)  # (B, A*gamma)
+        slot_doc = anchor_doc.repeat_interleave(gamma, dim=1)  # (B, A*gamma)
 
         def allowed(b, h, q, kv):  # flex mask_mod: scalar indices in, bool out (flex vectorises it)
             t = kv.clamp(max=T - 1)
@@ -275,7 +276,6 @@ def block_training_mask(anchors: torch.Tensor, *, gamma: int, document_ids: torc
 
         return create_block_mask(allowed, B, None, A * gamma, T + A * gamma, device=anchors.device)
     t = torch.arange(T, device=anchors.device)
-    anchor_doc = document_ids.gather(1, anchors)  # (B, A)
     ctx_ok = (t.view(1, 1, T) < anchors.unsqueeze(2)) & (document_ids.unsqueeze(1) == anchor_doc.unsqueeze(2))
     ctx_ok = ctx_ok.repeat_interleave(gamma, dim=1)  # (B, A*gamma, T)
     block_of = torch.arange(A, device=anchors.device).repeat_interleave(gamma)  # (A*gamma,)

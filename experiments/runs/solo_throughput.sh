@@ -25,8 +25,8 @@ for a in $ANCHORS; do
 done
 specs+=("eagle3 eagle3 ttt_length=7")
 for spec in "${specs[@]}"; do
-  [[ " $DRAFTERS " == *" $(echo "$spec" | cut -d' ' -f2) "* ]] || continue
   set -- $spec; name=$1; drafter=$2; shift 2
+  [[ " $DRAFTERS " == *" $drafter "* ]] || continue
   python3 -m dspark.train --host random:smollm2 --data synthetic:512 --drafter "$drafter" --output "$WORK/$name" \
     --max-length "$SEQ" --seq-len "$SEQ" --batch-size "$BS" --max-steps "$STEPS_SOLO" --save-every 100000 \
     --eval-every 0 --bf16 true --report-to none --seed 0 --drafter-args "$@" > "$WORK/$name.log" 2>&1 \
