@@ -28,7 +28,7 @@ class HostOptions:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
     deterministic: bool = field(default=False, metadata={
-        "help": "deterministic kernels, no TF32, CUBLAS_WORKSPACE_CONFIG set (dspark.api.set_deterministic; "
+        "help": "deterministic kernels, no TF32, CUBLAS_WORKSPACE_CONFIG set (dspark.set_deterministic; "
                 "docs/RELIABILITY.md says what it guarantees)"})
 
 
@@ -322,10 +322,17 @@ def _nanmean(values: list[float]) -> float:
 
 
 def cmd_sweep(argv) -> int:
-    from experiments.sweep import run_sweep
+    from dspark.api import load_host, resolve_drafter
+    from dspark.sweep import run_sweep
 
     h, d, e, s = parse([HostOptions, DecodeOptions, EvalOptions, SweepOptions], argv, prog="dspark sweep")
-    run_sweep(h, d, e, s, argv=argv)
+    host = load_host(h.host, dtype=h.dtype, device=h.device)
+    drafter = resolve_drafter(host, None if d.drafter == "none" and d.drafter_path else d.drafter,
+                              drafter_path=d.drafter_path)
+    if drafter is None:
+        raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
+    run_sweep(host, drafter, eval_prompts(host, e), decode_opts=d, sweep_opts=s, host_name=h.host,
+              label=_drafter_label(d), argv=argv)
     return 0
 
 
@@ -369,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"dspark: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from dspark.api import tune_cpu_allocator
+    from dspark.engine.runtime import tune_cpu_allocator
 
     tune_cpu_allocator()  # CPU training steps 1.26x faster on glibc (benchmarks/cpu_allocator.py)
     try:

@@ -181,7 +181,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     survivors = checkpoints(output)
     assert survivors
-    from dspark.training.train import load_host
+    from dspark.engine.models import load_host
 
     host = load_host(RANDOM_HOST, device=torch.device("cpu"), dtype=torch.float32)
     for checkpoint in survivors:  # every complete checkpoint is loadable, whatever the kill interrupted

@@ -55,6 +55,8 @@ from tqdm.auto import tqdm
 from drafters.base import TrainBatch, TrainOutput
 from dspark.config import from_dict, parse, to_dict
 from dspark.engine.host import Host
+from dspark.engine.models import load_host
+from dspark.engine.runtime import tune_cpu_allocator
 from dspark.training.data import TokenizedChat, collate, load_conversations, pack, tokenize_conversations
 
 logger = logging.getLogger(__name__)
@@ -403,13 +405,6 @@ def _peak_memory_gb(device: torch.device) -> float:
 # The loop
 
 
-def load_host(name: str, *, device: torch.device, dtype: torch.dtype) -> Host:
-    from dspark.engine.models import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=device)
-    return Host(model, tokenizer, name=name)
-
-
 def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | None:
     """The checkpoint to resume from (None = fresh start), after cleaning debris of a killed save."""
     if accelerator.is_main_process:
@@ -617,7 +612,6 @@ def main_train(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from dspark.api import tune_cpu_allocator
 
     tune_cpu_allocator()  # as the `dspark` command does
     main_train(sys.argv[1:])
