@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.blocks import SharedHost
+from dspark.engine.models import PICKLE_PATTERNS  # the one list: weight files that are pickles, never loaded
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -44,9 +45,6 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, or made for another host or architecture."""
 
-
-#: weight files that are pickles (torch.save); never loaded, since unpickling can run arbitrary code
-PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
 
 
 def _pickle_note(directory: Path) -> str:

@@ -29,13 +29,13 @@ import torch
 import torch.nn as nn
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context,
-                             document_positions, inference_mask, sparse_training_attention)
+from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context, inference_mask,
+                             sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
+from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -216,8 +216,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
             if greedy:
                 prev = logits.argmax(-1)
             else:
-                q[:, k] = process(logits, state.sampling)
-                prev = sample(q[:, k], state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)  # fresh noise per round
+                q[:, k], prev = state.draw(logits, k)
             tokens[:, k] = prev
             if c is not None:
                 c[:, k] = torch.sigmoid(step.conf_logit.float())

@@ -36,12 +36,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import MLP, LayerShape, RMSNorm, document_positions, rope
+from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import per_position_mean, weighted_mean
+from dspark.engine.host import document_positions, rope
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -191,11 +191,8 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
                 position = position + 1
                 g = self._cached_step(g.unsqueeze(1), tokens[-1].unsqueeze(1), position.unsqueeze(1))[:, 0]
             logits = self._logits(g)  # (B, V)
-            q = process(logits, state.sampling)  # (B, V): the exact distribution x_{k+1} is drawn from
-            if state.sampling.greedy:
-                tokens.append(logits.argmax(-1))
-            else:
-                tokens.append(sample(q, state.seeds, state.rounds * 1024 + k, STREAM_DRAFT))  # fresh noise per round
+            q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
+            tokens.append(token)
             qs.append(q)
         return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1))  # (B, K), (B, K, V)
 

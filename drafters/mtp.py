@@ -20,13 +20,12 @@ import torch
 import torch.nn as nn
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask,
-                             document_positions, inference_mask)
+from drafters.blocks import InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask, inference_mask
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import distill_terms, per_position_mean, weighted_mean
+from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 @dataclass
@@ -109,8 +108,7 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
             return Proposal(tokens=tokens, lengths=lengths)
         q = U.new_zeros(B, K, U.shape[-1])  # (B, K, V)
         q[:, 1:, 0] = 1.0  # padded slots: point mass on their token 0, never verified
-        q[:, 0] = process(U, state.sampling)
-        tokens[:, 0] = sample(q[:, 0], state.seeds, state.rounds * 1024, STREAM_DRAFT)
+        q[:, 0], tokens[:, 0] = state.draw(U, 0)
         return Proposal(tokens=tokens, q=q, lengths=lengths)
 
     def select(self, rows: torch.Tensor) -> None:

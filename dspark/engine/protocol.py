@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.sampling import SamplingConfig
+from dspark.engine.sampling import STREAM_DRAFT, SamplingConfig, process, sample
 
 
 @dataclass
@@ -46,6 +46,15 @@ class DraftState:
     def anchor(self) -> torch.Tensor:
         """(B,) the last committed token of each request."""
         return self.seq.gather(1, (self.seq_len - 1).unsqueeze(1)).squeeze(1)
+
+    def draw(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft position k of this round from draft logits (B, V): the exact distribution q (B, V) the token is
+        drawn from, and the token (B,) (the argmax when greedy). The noise is keyed by (round, k), fresh every
+        round and never shared with the host's streams."""
+        q = process(logits, self.sampling)
+        if self.sampling.greedy:
+            return q, logits.argmax(-1)
+        return q, sample(q, self.seeds, self.rounds * 1024 + k, STREAM_DRAFT)  # K < 1024: keys never collide
 
 
 class Drafter:

@@ -54,7 +54,9 @@ from tqdm.auto import tqdm
 
 from drafters.base import TrainBatch, TrainOutput
 from dspark.config import from_dict, parse, to_dict
+from dspark.engine.acceptance import expected_tau
 from dspark.engine.host import Host
+from dspark.engine.jsonio import write_json_atomic
 from dspark.engine.models import load_host
 from dspark.engine.runtime import tune_cpu_allocator
 from dspark.training.data import TokenizedChat, collate, load_conversations, pack, tokenize_conversations
@@ -216,11 +218,6 @@ def make_batch(host: Host, rows: list[TokenizedChat], *, taps: tuple[int, ...], 
                       features=out.features, host_logits=host_logits, generator=generator)
 
 
-def expected_tau(acceptance: torch.Tensor) -> float:
-    """tau = 1 + sum_k prod_{i<=k} acc_i from conditional acceptance (K,) (the bonus token included)."""
-    return 1.0 + float(torch.cumprod(acceptance.double(), 0).sum())
-
-
 def _summary(outputs: list[TrainOutput], accelerator: Accelerator) -> dict[str, Any]:
     """Mean loss, loss parts and acceptance over micro-batches and processes."""
     keys = sorted(k for k in outputs[0].metrics if k not in ("loss", "acceptance"))  # those two come from fields
@@ -255,10 +252,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=1))
-
-
 def optimizer_to_files(state_dict: dict, directory: Path) -> None:
     """optimizer.safetensors (every tensor, "state.<index>.<name>") + optimizer.json (everything else)."""
     tensors, plain = {}, {}
@@ -270,7 +263,7 @@ def optimizer_to_files(state_dict: dict, directory: Path) -> None:
             else:
                 plain[str(index)][name] = value
     save_file(tensors, directory / "optimizer.safetensors")
-    _write_json(directory / "optimizer.json", {"state": plain, "param_groups": state_dict["param_groups"]})
+    write_json_atomic(directory / "optimizer.json", {"state": plain, "param_groups": state_dict["param_groups"]})
 
 
 def optimizer_from_files(directory: Path) -> dict:
@@ -306,9 +299,10 @@ def save_checkpoint(*, accelerator: Accelerator, drafter, optimizer, scheduler, 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         optimizer_to_files(optimizer.state_dict(), staging)
-        _write_json(staging / "scheduler.json", scheduler.state_dict())
+        write_json_atomic(staging / "scheduler.json", scheduler.state_dict())
         version, internal, gauss = random.getstate()
-        _write_json(staging / "trainer_state.json", {**trainer_state, "python_rng": [version, list(internal), gauss]})
+        write_json_atomic(staging / "trainer_state.json",
+                          {**trainer_state, "python_rng": [version, list(internal), gauss]})
         _fsync_tree(staging)
         if final.exists():  # only when this step was saved before (a resume that had nothing left to do)
             shutil.rmtree(final)
