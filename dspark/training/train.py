@@ -425,28 +425,43 @@ def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | N
     return latest
 
 
-def train(cfg: TrainConfig, host: Host | None = None) -> Path:
-    """Train cfg.drafter on cfg.host (or on an already loaded `host`, moved to the training device); returns the
-    final checkpoint directory (a `load_drafter` path)."""
+@dataclass
+class Run:
+    """Everything one training run holds between steps: built by `setup`, advanced by `train_step`."""
+
+    cfg: TrainConfig
+    output: Path
+    accelerator: Accelerator
+    host: Host
+    drafter: Any
+    trainable: list
+    taps: tuple[int, ...]
+    pad_token_id: int
+    order: DataOrder
+    train_rows: list[TokenizedChat]
+    eval_rows: list[TokenizedChat]
+    steps_per_epoch: int
+    total: int
+    optimizer: Any
+    scheduler: Any
+    use_bf16: bool
+    model: Any = None  # the accelerate-prepared Objective, set once resume decided the metrics file
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+
+
+def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, accelerator: Accelerator) -> Run:
+    """Host, drafter (fresh, or the checkpoint's weights when resuming), data order, optimizer and schedule."""
     from drafters import build_drafter, load_drafter
     from transformers import get_cosine_schedule_with_warmup
 
-    # why check here: accelerate only warns and logs nowhere when the tracker's package is missing
-    if cfg.report_to == "wandb" and not is_wandb_available():
-        raise ImportError("--report-to wandb needs the wandb package: pip install wandb")
-    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
-        raise ImportError("--report-to tensorboard needs tensorboard or tensorboardX: pip install tensorboardX")
-    if cfg.report_to == "wandb":
-        os.environ.setdefault("WANDB_MODE", "offline")  # why: no login or network needed; sync later by hand
-    output = Path(cfg.output)
-    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(output))
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     use_bf16 = cfg.bf16 and device.type == "cuda"
-
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
-    resume_from = _start(cfg, output, accelerator)
     torch.manual_seed(cfg.seed)  # drafter initialisation
     if host is None:
         host = load_host(cfg.host, device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
@@ -487,84 +502,124 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
 
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total), total)
+    return Run(cfg=cfg, output=Path(cfg.output), accelerator=accelerator, host=host, drafter=drafter,
+               trainable=trainable, taps=taps, pad_token_id=pad_token_id, order=order, train_rows=train_rows,
+               eval_rows=eval_rows, steps_per_epoch=steps_per_epoch, total=total, optimizer=optimizer,
+               scheduler=scheduler, use_bf16=use_bf16)
+
+
+def resume(run: Run, resume_from: Path | None) -> int:
+    """Optimizer, schedule, RNG and metrics of `resume_from` (None: a fresh start); returns the step to go on from."""
+    accelerator, output = run.accelerator, run.output
     step = 0
     if resume_from is not None:
         trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
-        optimizer.load_state_dict(optimizer_from_files(resume_from))
-        scheduler.load_state_dict(json.loads((resume_from / "scheduler.json").read_text()))
+        run.optimizer.load_state_dict(optimizer_from_files(resume_from))
+        run.scheduler.load_state_dict(json.loads((resume_from / "scheduler.json").read_text()))
         restore_rng(resume_from, trainer_state, accelerator)
         step = trainer_state["step"]
-        if trainer_state["world_size"] != world and accelerator.is_main_process:
+        if trainer_state["world_size"] != accelerator.num_processes and accelerator.is_main_process:
             logger.warning("resuming a %d-process run on %d processes: the global batch and the data order "
-                           "change from here on", trainer_state["world_size"], world)
+                           "change from here on", trainer_state["world_size"], accelerator.num_processes)
         if accelerator.is_main_process:
             _truncate_metrics(output / "metrics.jsonl", step)
         if accelerator.is_main_process:
             logger.info("resumed from %s at step %d", resume_from, step)
     elif accelerator.is_main_process:
         (output / "metrics.jsonl").unlink(missing_ok=True)
+    return step
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step (grad_accum micro-batches) from `step`; returns its metrics record (step = step + 1)."""
+    cfg, accelerator, model = run.cfg, run.accelerator, run.model
+    rank, world = accelerator.process_index, accelerator.num_processes
+    started = time.perf_counter()
+    outputs, tokens = [], 0
+    for a in range(cfg.grad_accum):
+        micro = step * cfg.grad_accum + a
+        rows = run.order.rows_of(micro)
+        batch = make_batch(run.host, rows, taps=run.taps, device=run.device, pad_token_id=run.pad_token_id,
+                           autocast=run.autocast, generator=_generator(run.device, cfg.seed, micro, rank, world))
+        tokens += sum(len(r.input_ids) for r in rows)
+        # why no_sync: gradients are all-reduced once per optimizer step, not per micro-batch
+        with accelerator.no_sync(model) if a < cfg.grad_accum - 1 else nullcontext():
+            with run.autocast():
+                out = model(batch)
+            accelerator.backward(out.loss / cfg.grad_accum)
+        outputs.append(out)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable,
+                                               cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    step += 1
+    record = {"kind": "train", "step": step, "epoch": step * cfg.grad_accum / run.order.per_epoch,
+              **_summary(outputs, accelerator), "lr": lr, "grad_norm": float(grad_norm)}
+    seconds = time.perf_counter() - started
+    record["tokens_per_s"] = tokens * world / seconds
+    record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
+    record["time"] = time.time()
+    record["peak_mem_gb"] = _peak_memory_gb(run.device)
+    return record
+
+
+def train(cfg: TrainConfig, host: Host | None = None) -> Path:
+    """Train cfg.drafter on cfg.host (or on an already loaded `host`, moved to the training device); returns the
+    final checkpoint directory (a `load_drafter` path)."""
+    # why check here: accelerate only warns and logs nowhere when the tracker's package is missing
+    if cfg.report_to == "wandb" and not is_wandb_available():
+        raise ImportError("--report-to wandb needs the wandb package: pip install wandb")
+    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
+        raise ImportError("--report-to tensorboard needs tensorboard or tensorboardX: pip install tensorboardX")
+    if cfg.report_to == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")  # why: no login or network needed; sync later by hand
+    output = Path(cfg.output)
+    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(output))
+    world = accelerator.num_processes
+    resume_from = _start(cfg, output, accelerator)
+    run = setup(cfg, host, resume_from, accelerator)
+    step = resume(run, resume_from)
     if accelerator.is_main_process:
         (output / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    model = accelerator.prepare_model(Objective(drafter))
+    run.model = model = accelerator.prepare_model(Objective(run.drafter))
     accelerator.init_trackers(cfg.project, config=to_dict(cfg), init_kwargs={
         "wandb": {"dir": str(output), "name": output.name}})
     metrics_file = output / "metrics.jsonl"
-    n_params = sum(p.numel() for p in trainable)
+    n_params = sum(p.numel() for p in run.trainable)
     if accelerator.is_main_process:
         logger.info("training %s (%.2fM trainable parameters) on %s: %d packed rows, %d steps/epoch, %d steps, "
-                    "%d process(es)", cfg.drafter, n_params / 1e6, cfg.host, len(train_rows), steps_per_epoch, total,
-                    world)
+                    "%d process(es)", cfg.drafter, n_params / 1e6, cfg.host, len(run.train_rows),
+                    run.steps_per_epoch, run.total, world)
 
     def state(step: int) -> dict:
         micro = step * cfg.grad_accum
-        return {"step": step, "micro_batches": micro, "epoch": micro // order.per_epoch,
-                "micro_in_epoch": micro % order.per_epoch, "world_size": world, "config": to_dict(cfg)}
+        return {"step": step, "micro_batches": micro, "epoch": micro // run.order.per_epoch,
+                "micro_in_epoch": micro % run.order.per_epoch, "world_size": world, "config": to_dict(cfg)}
 
     def save(step: int) -> Path:
         return save_checkpoint(accelerator=accelerator, drafter=accelerator.unwrap_model(model).drafter,
-                               optimizer=optimizer, scheduler=scheduler, trainer_state=state(step), output=output,
-                               keep=cfg.keep_checkpoints)
+                               optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=state(step),
+                               output=output, keep=cfg.keep_checkpoints)
 
+    total = run.total
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.drafter}", unit="step",
                disable=not accelerator.is_main_process)
     last_saved = resume_from
     model.train()
     while step < total:
-        started = time.perf_counter()
-        outputs, tokens = [], 0
-        for a in range(cfg.grad_accum):
-            micro = step * cfg.grad_accum + a
-            rows = order.rows_of(micro)
-            batch = make_batch(host, rows, taps=taps, device=device, pad_token_id=pad_token_id, autocast=autocast,
-                               generator=_generator(device, cfg.seed, micro, rank, world))
-            tokens += sum(len(r.input_ids) for r in rows)
-            # why no_sync: gradients are all-reduced once per optimizer step, not per micro-batch
-            with accelerator.no_sync(model) if a < cfg.grad_accum - 1 else nullcontext():
-                with autocast():
-                    out = model(batch)
-                accelerator.backward(out.loss / cfg.grad_accum)
-            outputs.append(out)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        record = {"kind": "train", "step": step, "epoch": step * cfg.grad_accum / order.per_epoch,
-                  **_summary(outputs, accelerator), "lr": lr, "grad_norm": float(grad_norm)}
-        seconds = time.perf_counter() - started
-        record["tokens_per_s"] = tokens * world / seconds
-        record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
-        record["time"] = time.time()
-        record["peak_mem_gb"] = _peak_memory_gb(device)
+        record = train_step(run, step)
+        step = record["step"]
         log_metrics(record, accelerator=accelerator, metrics_file=metrics_file)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}",
                         acc=" ".join(f"{a:.2f}" for a in record["acceptance"]))
-        if eval_rows and (step % cfg.eval_every == 0 or step == total):
-            log_metrics({"kind": "eval", "step": step, **evaluate(host, model, eval_rows, cfg=cfg, taps=taps,
-                                                                  accelerator=accelerator, pad_token_id=pad_token_id,
-                                                                  autocast=autocast)},
+        if run.eval_rows and (step % cfg.eval_every == 0 or step == total):
+            log_metrics({"kind": "eval", "step": step, **evaluate(run.host, model, run.eval_rows, cfg=cfg,
+                                                                  taps=run.taps, accelerator=accelerator,
+                                                                  pad_token_id=run.pad_token_id,
+                                                                  autocast=run.autocast)},
                         accelerator=accelerator, metrics_file=metrics_file)
         if step % cfg.save_every == 0 or step == total:
             last_saved = save(step)
