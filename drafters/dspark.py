@@ -54,7 +54,7 @@ def spread_layers(num_layers: int, m: int) -> tuple[int, ...]:
 class DSparkConfig(HostFields):
     """DSpark / DFlash drafter settings. The backbone layers copy the host's layer shape."""
 
-    feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(L, m)
+    feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(NL, m)
     num_feature_layers: int = 5  # m, used when feature_layers is None
     num_layers: int = 3  # N backbone layers
     gamma: int = 7  # block size: slots trained per block; inference drafts K <= gamma of them

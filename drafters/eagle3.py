@@ -45,9 +45,9 @@ from dspark.engine.protocol import DraftState, Drafter, Proposal
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low/mid/high taps: outputs of host layers 1, L//2 - 1 and L - 4 (the original code captures the
-    inputs of layers 2, L//2 and L - 3). Hosts too shallow for three distinct such layers get three evenly spread
-    ones (fewer when L < 3)."""
+    """EAGLE-3's low/mid/high taps: outputs of host layers 1, NL//2 - 1 and NL - 4 of NL (the original code captures
+    the inputs of layers 2, NL//2 and NL - 3). Hosts too shallow for three distinct such layers get three evenly
+    spread ones (fewer when NL < 3)."""
     layers = (1, num_layers // 2 - 1, num_layers - 4)
     if layers[0] < layers[1] < layers[2]:
         return layers
@@ -61,7 +61,7 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
 class Eagle3Config(HostFields):
     """EAGLE-3 drafter settings. The layer's shape (H, heads, MLP width, norms, RoPE) is the host's."""
 
-    feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(L)
+    feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(NL)
     ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to gamma)
     step_decay: float = 0.8  # weight of unrolled step j is step_decay**j
 

@@ -32,7 +32,7 @@ from dspark.engine.protocol import DraftState, Drafter, Proposal
 class MTPConfig(HostFields):
     """MTP-1 settings. The decoder layer copies the host's layer shape."""
 
-    feature_layers: tuple[int, ...] | None = None  # host layers fed as f_i; None = (L - 1,), the last layer
+    feature_layers: tuple[int, ...] | None = None  # host layers fed as f_i; None = (NL - 1,), the last layer
     ce_weight: float = 0.1
     tv_weight: float = 0.9
 

@@ -1,4 +1,4 @@
-"""SPS(B) tables: interpolation, persistence, validation, and the profiler against a fake host."""
+"""SPS(M) tables (M tokens per forward): interpolation, persistence, validation, and the profiler against a fake host."""
 from __future__ import annotations
 
 import csv
@@ -17,10 +17,10 @@ def test_interpolation_clamp_and_extrapolation():
     assert cost(6) == pytest.approx(60.0)
     assert cost(2) == pytest.approx(100.0) and cost(10) == pytest.approx(20.0)
     assert cost(1) == pytest.approx(100.0)  # clamped below the first point
-    assert cost(20) == pytest.approx(10.0)  # step time proportional to B past the last point
-    B = torch.arange(1, 25)
-    assert torch.allclose(cost(B), torch.tensor([cost(int(b)) for b in B], dtype=torch.float64))
-    assert cost(B).dtype == torch.float64 and cost(B).shape == B.shape
+    assert cost(20) == pytest.approx(10.0)  # step time proportional to M past the last point
+    M = torch.arange(1, 25)
+    assert torch.allclose(cost(M), torch.tensor([cost(int(m)) for m in M], dtype=torch.float64))
+    assert cost(M).dtype == torch.float64 and cost(M).shape == M.shape
     single = CostModel.from_points({4: 50.0})
     assert single(1) == 50.0 and single(8) == pytest.approx(25.0)
     flat = CostModel.flat(7.0)
@@ -109,7 +109,7 @@ def test_profile_with_fake_host():
     assert cost.dtype == "torch.float32" and cost.mode == "eager" and cost.torch_version == torch.__version__
     assert cost.batch_sizes == [1, 2] and cost.tokens_per_request == [1, 2] and len(cost.points) == 4
     point = {(p["batch_size"], p["tokens_per_request"]): p for p in cost.points}
-    # B = 2 arises from (R=1, T=2) and (R=2, T=1): the slower one (T=2 pays 3 ms more) enters the table
+    # M = 2 arises from (R=1, T=2) and (R=2, T=1): the slower one (T=2 pays 3 ms more) enters the table
     assert cost(2) == pytest.approx(1.0 / point[1, 2]["step_seconds"])
     assert point[1, 2]["step_seconds"] > point[2, 1]["step_seconds"]
     assert cost.sps[0] > cost.sps[-1]

@@ -133,7 +133,7 @@ def test_scheduler_never_beats_exhaustive_optimum_and_global_search_reaches_it()
 
 def test_early_stop_and_global_search_differ_across_an_sps_cliff():
     a = survival(torch.tensor([[0.9, 0.9, 0.9]]))
-    table = [0.0, 100.0, 40.0, 90.0, 90.0]  # a cliff at B = 2, recovery at B = 3
+    table = [0.0, 100.0, 40.0, 90.0, 90.0]  # a cliff at M = 2 tokens, recovery at M = 3
     # Θ(0) = 100, Θ(1) = 1.9 * 40 = 76: early stop verifies nothing; Θ(3) = 3.44 * 90 = 310 is the best cut
     assert schedule(a, table).tolist() == [0]
     assert schedule(a, table, early_stop=False).tolist() == [3]

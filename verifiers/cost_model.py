@@ -1,12 +1,12 @@
-"""SPS(B): host verify steps per second at B tokens per forward, profiled once per host and device (DSPARK.md §4.3).
+"""SPS(M): host verify steps per second at M tokens per forward, profiled once per host and device (DSPARK.md §4.3).
 
-Shapes: R requests, T tokens per request in one forward, B = total tokens in the forward (R * T when profiling,
-Σ_r (1 + ell_r) when scheduling).
+Shapes: R requests, T tokens per request in one forward, M = total tokens in the forward (DSPARK.md's B; in this
+code B is always requests): R * T when profiling, Σ_r (1 + ell_r) when scheduling.
 
-The table is a list of profiled points (B_i, SPS_i) with B_i strictly increasing. Between points SPS is linearly
-interpolated. Below the first point it is clamped to SPS(B_0) (a smaller forward is never assumed faster than the
-smallest one measured). Above the last point the step time is extrapolated proportionally to B,
-SPS(B) = SPS(B_last) * B_last / B (the compute-bound regime), so the scheduler never treats unmeasured large
+The table is a list of profiled points (M_i, SPS_i) with M_i strictly increasing. Between points SPS is linearly
+interpolated. Below the first point it is clamped to SPS(M_0) (a smaller forward is never assumed faster than the
+smallest one measured). Above the last point the step time is extrapolated proportionally to M,
+SPS(M) = SPS(M_last) * M_last / M (the compute-bound regime), so the scheduler never treats unmeasured large
 batches as free.
 
 Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
@@ -20,11 +20,11 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     torch_version              torch.__version__ at profiling time
     batch_sizes                profiled numbers of requests R
     tokens_per_request         profiled tokens per request T
-    tokens                     B grid (int, strictly increasing)
-    sps                        verify steps per second at each B (float > 0)
+    tokens                     M grid (int, strictly increasing)
+    sps                        verify steps per second at each M (float > 0)
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
                                median over repeats; [] for hand-made tables
-When several (R, T) give the same B the slower one enters the table (conservative). `to_csv` writes the columns
+When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
 tokens, sps, step_ms.
 
 Engine JSON (`export_engine_json`, format "dspark.engine", version 1), for serving engines outside this package:
@@ -66,10 +66,10 @@ def device_description(device: torch.device | str) -> str:
 
 @dataclass
 class CostModel:
-    """A profiled SPS(B) table with the metadata that says where it is valid."""
+    """A profiled SPS(M) table with the metadata that says where it is valid."""
 
-    tokens: list[int]  # B grid, strictly increasing, >= 1
-    sps: list[float]  # steps per second at each B, > 0
+    tokens: list[int]  # M grid, strictly increasing, >= 1
+    sps: list[float]  # steps per second at each M, > 0
     host: str = "hand-made"
     device: str = "any"
     dtype: str = ""
@@ -97,19 +97,19 @@ class CostModel:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
-    # ---- SPS(B) ----------------------------------------------------------------------------------------------
-    def __call__(self, B: torch.Tensor | int) -> torch.Tensor | float:
-        """SPS at B tokens: a float for an int, a float64 tensor of B's shape (on B's device) for a tensor."""
-        if isinstance(B, torch.Tensor):
-            return self._interpolate(B)
-        return float(self._interpolate(torch.tensor([B]))[0])
+    # ---- SPS(M) ----------------------------------------------------------------------------------------------
+    def __call__(self, M: torch.Tensor | int) -> torch.Tensor | float:
+        """SPS at M tokens: a float for an int, a float64 tensor of M's shape (on M's device) for a tensor."""
+        if isinstance(M, torch.Tensor):
+            return self._interpolate(M)
+        return float(self._interpolate(torch.tensor([M]))[0])
 
-    def _interpolate(self, B: torch.Tensor) -> torch.Tensor:
-        if B.device not in self._grids:
-            self._grids[B.device] = (torch.tensor(self.tokens, dtype=torch.float64, device=B.device),
-                                     torch.tensor(self.sps, dtype=torch.float64, device=B.device))
-        x, y = self._grids[B.device]  # (P,), (P,)
-        b = B.to(torch.float64)
+    def _interpolate(self, M: torch.Tensor) -> torch.Tensor:
+        if M.device not in self._grids:
+            self._grids[M.device] = (torch.tensor(self.tokens, dtype=torch.float64, device=M.device),
+                                     torch.tensor(self.sps, dtype=torch.float64, device=M.device))
+        x, y = self._grids[M.device]  # (P,), (P,)
+        b = M.to(torch.float64)
         above = y[-1] * x[-1] / b.clamp(min=1.0)  # proportional step time past the last point
         if len(x) == 1:
             return torch.where(b > x[-1], above, y[0].expand_as(b))
@@ -121,12 +121,12 @@ class CostModel:
     # ---- constructors ----------------------------------------------------------------------------------------
     @classmethod
     def flat(cls, sps: float = 100.0, *, up_to: int = 1 << 20) -> "CostModel":
-        """A cost curve that does not depend on B up to `up_to` tokens (the memory-bound ideal)."""
+        """A cost curve that does not depend on M up to `up_to` tokens (the memory-bound ideal)."""
         return cls(tokens=[1, up_to], sps=[sps, sps])
 
     @classmethod
     def from_points(cls, table: dict[int, float] | list[tuple[int, float]], /, **metadata) -> "CostModel":
-        """A table from {B: SPS} or [(B, SPS)]; metadata fields (host, device, ..., points) by keyword."""
+        """A table from {M: SPS} or [(M, SPS)]; metadata fields (host, device, ..., points) by keyword."""
         pairs = sorted(table.items() if isinstance(table, dict) else table)
         return cls(tokens=[b for b, _ in pairs], sps=[s for _, s in pairs], **metadata)
 
@@ -181,7 +181,7 @@ def _sync(device: torch.device) -> None:
 
 def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repeats: int = 10, warmup: int = 3,
             max_len: int = 1024, mode: str = "eager", seed: int = 0) -> CostModel:
-    """Time `host.step` at every (R, T) of the grid and return the SPS(B = R*T) table.
+    """Time `host.step` at every (R, T) of the grid and return the SPS(M = R*T) table.
 
     Each point: a fresh cache of R requests and `max_len` positions, random tokens (R, T), `warmup` untimed steps,
     then the median of `repeats` timed steps. The cache is not advanced (steps overwrite the same positions), so

