@@ -3,7 +3,7 @@ backend, one result row per decode, and writing `NAME.json` / `NAME.md` / PNGs i
 
 The decode backend is one function, `DECODE_BACKENDS[name](host, prompts, *, drafter, verifier, draft_length,
 concurrency, max_new_tokens, sampling, seed) -> GenerationResult`. Today the only one is "static-batch":
-`dspark.decode.generate` with `batch_size = concurrency`, i.e. the prompts run in successive static batches of C
+`dspark.engine.decode.generate` with `batch_size = concurrency`, i.e. the prompts run in successive static batches of C
 (a batch's finished requests are not replaced, so the load falls inside a batch). It is NOT continuous batching;
 the closed-loop continuous-batching engine registers itself here under another name, and every row records which
 engine measured it (`"engine"`).
@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from dspark.decode import GenerationResult, generate
+from dspark.engine.decode import GenerationResult, generate
 from dspark.metrics import summarize
-from dspark.sampling import SamplingConfig
+from dspark.engine.sampling import SamplingConfig
 
 #: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). No math
 #: set is installed here: `champ-dataset` (MODELS_AND_DATA.md) is not, so math needs `math=FILE.jsonl`.
@@ -155,7 +155,7 @@ def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths:
 # ---- the decode backend -----------------------------------------------------------------------------------------
 def static_batch_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
                         max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationResult:
-    """Static batches of `concurrency` requests through dspark.decode.generate (not continuous batching)."""
+    """Static batches of `concurrency` requests through dspark.engine.decode.generate (not continuous batching)."""
     return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=concurrency)
 

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from drafters.base import Proposal
+from dspark.engine.protocol import Proposal
 from experiments.common import Section, write_result
 
 FORMAT = "dspark.trace"
@@ -56,7 +56,7 @@ def trace_from_result(result, *, draft_length: int, **meta) -> dict:
 
 
 def load_trace(path: str | Path) -> dict:
-    from verifiers.base import read_versioned_json
+    from dspark.engine.jsonio import read_versioned_json
 
     doc = read_versioned_json(path, FORMAT, VERSION, what="trace")
     if not doc.get("requests") or any(not r["accepted"] for r in doc["requests"]):
