@@ -89,6 +89,17 @@ def test_concurrency_profiles_a_cost_table_when_none_is_given(tmp_path):
     assert cost.tokens[0] >= 1 and len(load(tmp_path / "concurrency.json")["rows"]) == 2
 
 
+def test_concurrency_runs_every_drafter_family_side_by_side(tmp_path, cost_path):
+    run("experiment", "concurrency", "--host", HOST, "--num-prompts", "2", "--max-new-tokens", "4", "--drafters",
+        "dflash", "eagle3", "mtp", "--policies", "threshold", "lagged", "--draft-lengths", "2", "--concurrency", "2",
+        "--cost-table", str(cost_path), "--out-dir", str(tmp_path))
+    rows = load(tmp_path / "concurrency.json")["rows"]
+    assert {(r["method"], r["policy"]) for r in rows} == {("plain", "none")} | {
+        (m, p) for m in ("dflash", "eagle3", "mtp") for p in ("threshold", "lagged")}
+    # the same prompts and seeds everywhere: every setting decoded the same number of new tokens
+    assert len({r["new_tokens"] for r in rows}) == 1
+
+
 def test_bad_policy_and_unknown_experiment_are_clear_errors(tmp_path, capsys):
     assert cli(["experiment", "concurrency", "--host", HOST, "--policies", "fastest", "--out-dir",
                 str(tmp_path)]) == 1
