@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from dspark.engine.decode import GenerationResult, generate
-from dspark.metrics import summarize
 from dspark.engine.sampling import SamplingConfig
+from dspark.metrics import summarize
 
 #: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). No math
 #: set is installed here: `champ-dataset` (MODELS_AND_DATA.md) is not, so math needs `math=FILE.jsonl`.

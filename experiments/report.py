@@ -72,6 +72,8 @@ def log_wandb(sections: list, *, project: str, folder: Path) -> str:
                      mode=os.environ.get("WANDB_MODE", "offline"), config={"results_dir": str(folder)})
     for path, doc, section in sections:
         rows = doc["rows"]
+        if not rows:
+            continue
         columns = [k for k in rows[0] if all(not isinstance(r.get(k), (list, dict)) for r in rows)]
         name = doc["experiment"]
         run.log({f"{name}/rows": wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in rows]),

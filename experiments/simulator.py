@@ -123,8 +123,8 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
                 still.append(s)
         live = still
     return {"tokens_per_s": total_tokens / now, "per_request_tokens_per_s": sum(speeds) / len(speeds),
-            "tau": (accepted_sum + request_rounds) / request_rounds, "accepted_per_round": accepted_sum / request_rounds,
-            "verified_per_round": verified_sum / request_rounds, "steps": steps, "requests": requests,
+            "tau": (accepted_sum + request_rounds) / request_rounds,
+            "accepted_per_round": accepted_sum / request_rounds, "verified_per_round": verified_sum / request_rounds, "steps": steps, "requests": requests,
             "new_tokens": total_tokens, "seconds": now}
 
 
