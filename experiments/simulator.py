@@ -67,6 +67,7 @@ def load_trace(path: str | Path) -> dict:
 # ---- the replay -------------------------------------------------------------------------------------------------
 @dataclass
 class _Live:
+    serial: int  # admission order: identifies the request (ids of freed objects get reused)
     trace: dict
     start: float
     round: int = 0
@@ -81,6 +82,7 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     K = trace["draft_length"] if policy is not None else 0
     pool = trace["requests"]
     waiting = [pool[i % len(pool)] for i in range(requests)]
+    admitted = 0
     live: list[_Live] = []
     now, steps, total_tokens = 0.0, 0, 0
     verified_sum = accepted_sum = request_rounds = 0
@@ -88,10 +90,11 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     members: tuple = ()
     while waiting or live:
         while waiting and len(live) < concurrency:
-            live.append(_Live(trace=waiting.pop(0), start=now))
-        if policy is not None and tuple(map(id, live)) != members:
+            live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
+            admitted += 1
+        if policy is not None and tuple(s.serial for s in live) != members:
             policy.begin(batch_size=len(live))  # why: per-request policy state is indexed by batch row
-            members = tuple(map(id, live))
+            members = tuple(s.serial for s in live)
         R = len(live)
         picks = [s.trace for s in live]
         index = [s.round % len(t["accepted"]) for s, t in zip(live, picks)]
