@@ -266,3 +266,16 @@ def test_report_to_wandb_offline(concurrency_dir, tmp_path, monkeypatch):
     run("report", str(tmp_path), "--report-to", "wandb")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_the_package_imports_experiments_only_when_a_command_needs_them():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, dspark, dspark.cli, dspark.api, dspark.metrics; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'experiments'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
