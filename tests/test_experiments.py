@@ -159,7 +159,7 @@ def test_threshold_zero_verifies_all_and_one_verifies_nothing(tmp_path):
             assert r["verified_per_round"] > 2.0
         else:
             assert r["verified_per_round"] == 0.0  # random confidences are never exactly 1
-    assert (tmp_path / "threshold.png").is_file()
+    assert (tmp_path / "threshold.png").is_file() and "| chat | 1.000 |" in (tmp_path / "threshold.md").read_text()
 
 
 def test_threshold_needs_confidences(tmp_path, capsys):
@@ -182,6 +182,8 @@ def test_length_skips_gammas_past_the_trained_block_and_reports_the_margin(tmp_p
         ("dspark", 2, 2), ("dflash", 2, 3), ("dflash", 3, 3)}
     assert doc["skipped"] == [{"method": "dspark", "draft_length": 3,
                                "reason": "gamma 3 > the block of 2 it was trained with"}]
+    assert (tmp_path / "out" / "length.png").is_file() and "DSpark over DFlash" in (
+        tmp_path / "out" / "length.md").read_text()
     (m,) = doc["margin"]
     assert m["draft_length"] == 2 and m["matched"] is False
     assert m["margin"] == pytest.approx(m["dspark_tau"] / m["dflash_tau"] - 1)
@@ -203,6 +205,7 @@ def test_acceptance_per_position_calibration_and_traces(acceptance_dir):
             assert len(cal["before"]["survival"]["ece"]) == len(cal["after"]["survival"]["ece"]) == 3
             assert (acceptance_dir / r["reliability_png"]).is_file()
     assert (acceptance_dir / "acceptance.png").is_file() and (acceptance_dir / "calibration.png").is_file()
+    assert "ECE STS" in (acceptance_dir / "acceptance.md").read_text()
 
 
 def _trace(accepted, confidence, *, K=3, new_tokens=8, n=1):
