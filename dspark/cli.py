@@ -9,6 +9,8 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
     dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
+    dspark experiment NAME ...                     concurrency, savings, threshold, length, acceptance, simulate
+    dspark report RESULTS_DIR [--report-to wandb]  one markdown page (tables + PNGs) from experiment results
 """
 from __future__ import annotations
 
@@ -336,6 +338,18 @@ def cmd_sweep(argv) -> int:
     return 0
 
 
+def cmd_experiment(argv) -> int:
+    from experiments import main as main_experiment  # lazy: the package never imports experiments/ otherwise
+
+    return main_experiment(argv)
+
+
+def cmd_report(argv) -> int:
+    from experiments.report import main as main_report
+
+    return main_report(argv)
+
+
 def cmd_train(argv) -> int:
     from dspark.training.train import main_train
 
@@ -359,7 +373,7 @@ def cmd_quickstart(argv) -> int:
 
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
             "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
-            "compare": cmd_compare}
+            "compare": cmd_compare, "experiment": cmd_experiment, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
