@@ -338,16 +338,13 @@ def cmd_sweep(argv) -> int:
     return 0
 
 
-def cmd_experiment(argv) -> int:
-    from experiments import main as main_experiment  # lazy: the package never imports experiments/ otherwise
+def plugin_commands() -> dict:
+    """Commands that other installed code registers under the entry-point group `dspark.commands` (this
+    repository's `experiments/` registers `experiment` and `report` in pyproject.toml). why entry points: the
+    runners sit above the package in the layer order, so the package must not import them; they plug in instead."""
+    from importlib.metadata import entry_points
 
-    return main_experiment(argv)
-
-
-def cmd_report(argv) -> int:
-    from experiments.report import main as main_report
-
-    return main_report(argv)
+    return {ep.name: ep for ep in entry_points(group="dspark.commands")}
 
 
 def cmd_train(argv) -> int:
@@ -373,7 +370,7 @@ def cmd_quickstart(argv) -> int:
 
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
             "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
-            "compare": cmd_compare, "experiment": cmd_experiment, "report": cmd_report}
+            "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,14 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
-        print(f"dspark: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+    plugins = plugin_commands()
+    if command not in COMMANDS and command not in plugins:
+        print(f"dspark: unknown command {command!r}; commands: {', '.join([*COMMANDS, *plugins])}", file=sys.stderr)
         return 2
     from dspark.engine.runtime import tune_cpu_allocator
 
     tune_cpu_allocator()  # CPU training steps 1.26x faster on glibc (benchmarks/cpu_allocator.py)
     try:
-        return COMMANDS[command](rest)
+        return COMMANDS[command](rest) if command in COMMANDS else plugins[command].load()(rest)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         # clear one-line errors for bad input; set DSPARK_TRACEBACK=1 to see the stack
         import os
