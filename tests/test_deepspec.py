@@ -9,6 +9,7 @@ Tiny seeded random Qwen3 (and Llama) hosts, fp32 on the CPU.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import safetensors.torch
@@ -43,14 +44,17 @@ def qwen3_host() -> Host:
     return Host(tiny_model("qwen3", vocab=VOCAB, hidden=HIDDEN, layers=LAYERS), name="tiny-qwen3")
 
 
-def make(name: str, host, seed: int = 0):
-    """A drafter with every parameter random (norm weights too, so a misplaced norm cannot hide)."""
-    torch.manual_seed(seed)
-    drafter = VARIANTS[name](host)
+def randomized(drafter):
+    """`drafter` with every parameter random (norm weights too, so a misplaced norm cannot hide)."""
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(0.0, 0.2 if p.dim() > 1 else 1.0)
     return drafter
+
+
+def make(name: str, host, seed: int = 0):
+    torch.manual_seed(seed)
+    return randomized(VARIANTS[name](host))
 
 
 def draft_logits(drafter, host, seed: int = 1) -> list[torch.Tensor]:
@@ -265,3 +269,117 @@ def test_export_refuses_a_tap_of_the_last_layer_and_needs_a_mask_row(qwen3_host,
     with pytest.raises(ValueError, match="--mask-token-id"):  # a random host has no tokenizer, so no spare row
         export_deepspec(make("dflash", qwen3_host), qwen3_host, tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ---- the CLI and the engine tables ----------------------------------------------------------------------------------
+
+def test_cli_export_then_generate_with_the_export(tmp_path, capsys):
+    """`dspark export` reads the host the checkpoint records; the export drops into generate with the same drafts,
+    and the drafter's STS calibration travels with it (ours and SGLang's file)."""
+    from dspark.api import generate, load_host
+    from dspark.cli import main
+    from verifiers.calibration import STSCalibrator
+
+    host = load_host("random:tiny-qwen3", device="cpu")
+    torch.manual_seed(0)
+    drafter = randomized(DSparkDrafter(host, DSparkConfig(head="markov", num_layers=2, rank=16, gamma=4,
+                                                          feature_layers=(0, 1, 2))))
+    drafter.save_pretrained(tmp_path / "ours")
+    STSCalibrator(temperatures=[1.5, 2.0, 0.5, 1.0], fit_size=[40, 30, 20, 10]).save(tmp_path / "ours" / "calibration.json")
+    rc = main(["export", "--drafter-path", str(tmp_path / "ours"), "--format", "deepspec",
+               "--output", str(tmp_path / "ds"), "--mask-token-id", str(host.vocab_size - 1)])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    sts = json.loads((tmp_path / "ds" / "sglang_sts.json").read_text())
+    assert sts["temperatures"] == [1.5, 2.0, 0.5, 1.0] and sts["num_samples"] == 40
+    prompts = [[3, 17, 99, 4, 250, 7, 3, 17], [42, 42, 8]]
+    runs = [generate(host, prompts=prompts, drafter_path=path, draft_length=4, max_new_tokens=12,
+                     verifier="threshold", threshold=0.3)
+            for path in (tmp_path / "ours", tmp_path / "ds")]
+    plain = generate(host, prompts=prompts, max_new_tokens=12)
+    assert runs[0].token_ids == runs[1].token_ids == plain.token_ids
+    for column in ("verified", "accepted"):  # the same drafts, confidences and calibration, round by round
+        assert torch.equal(runs[0].result.log.column(column), runs[1].result.log.column(column))
+
+
+def test_sglang_tables(tmp_path, capsys):
+    from dspark.cli import main
+    from verifiers.calibration import STSCalibrator
+    from verifiers.cost_model import CostModel
+    from verifiers.engine_tables import sglang_sps_table, sglang_sts_calibration
+
+    cost = CostModel(tokens=[1, 4, 16], sps=[100.0, 90.0, 40.0])
+    assert sglang_sps_table(cost) == {"sample_batch_tokens": [1, 4, 16], "sample_steps_per_sec": [100.0, 90.0, 40.0],
+                                      "max_batch_tokens": 16}
+    assert sglang_sts_calibration(STSCalibrator(temperatures=[2.0, 1.0]), dataset="x") == {
+        "temperatures": [2.0, 1.0], "dataset": "x", "num_samples": 0}
+    rc = main(["profile", "--host", "random:tiny-llama", "--device", "cpu", "--out", str(tmp_path / "cost.json"),
+               "--batch-sizes", "1", "2", "--tokens-per-request", "1", "2", "--repeats", "1", "--warmup", "0",
+               "--sglang-sps-table", str(tmp_path / "sps.json")])
+    assert rc == 0, capsys.readouterr().err
+    ours = json.loads((tmp_path / "cost.json").read_text())
+    table = json.loads((tmp_path / "sps.json").read_text())
+    assert table == {"sample_batch_tokens": ours["tokens"], "sample_steps_per_sec": ours["sps"],
+                     "max_batch_tokens": ours["tokens"][-1]}
+
+
+# ---- the reference's own classes (opt-in: DEEPSPEC_SRC = a checkout of deepseek-ai/DeepSpec) -----------------------
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEC_SRC"), reason="set DEEPSPEC_SRC to a deepseek-ai/DeepSpec checkout")
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_reference_classes_reproduce_our_draft_logits(name, qwen3_host, tmp_path, monkeypatch):
+    """The reference's Qwen3DSparkModel / Qwen3Eagle3Model, loaded from our export, give our draft logits on its own
+    decode path (context features from transformers' hidden_states, a DynamicCache, the block or the steps)."""
+    monkeypatch.syspath_prepend(os.environ["DEEPSPEC_SRC"])
+    from transformers import DynamicCache
+
+    from deepspec.modeling.dspark.common import extract_context_feature
+    from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
+    from deepspec.modeling.eagle3.qwen3 import Qwen3Eagle3Model
+
+    drafter = make(name, qwen3_host)
+    export_deepspec(drafter, qwen3_host, tmp_path / "ds", mask_token_id=MASK_ID)
+    eagle = name.startswith("eagle3")
+    ref = (Qwen3Eagle3Model if eagle else Qwen3DSparkModel).from_pretrained(
+        tmp_path / "ds", attn_implementation="sdpa", dtype=torch.float32).eval()
+    prompt = torch.randint(0, MASK_ID, (1, 10), generator=torch.Generator().manual_seed(2))  # anchor at 9
+    C, K = 9, 4
+    with torch.no_grad():
+        hidden = qwen3_host.model(input_ids=prompt[:, :C], output_hidden_states=True).hidden_states
+        context = extract_context_feature(hidden, ref.target_layer_ids)  # (1, C, F)
+        cache = DynamicCache()
+        if eagle:
+            h = ref.extend_draft_cache(hidden_states=context, input_ids=prompt[:, 1:], past_key_values=cache,
+                                       position_ids=torch.arange(C)[None])
+            logits, tokens = [], []
+            for k in range(K):
+                logits.append(ref.compute_logits(h)[:, -1])
+                tokens.append(logits[-1].argmax(-1, keepdim=True))
+                h = ref(hidden_states=h, input_ids=tokens[-1], position_ids=torch.tensor([[C + k]]),
+                        past_key_values=cache, use_cache=True)
+            ref_logits, tokens, ref_conf = torch.stack(logits, 1)[0], torch.cat(tokens, 1), None
+        else:
+            block = torch.full((1, K), MASK_ID)
+            block[0, 0] = prompt[0, C]
+            h = ref._forward_backbone(target_hidden_states=context, noise_embedding=ref.embed_tokens(block),
+                                      position_ids=torch.arange(C + K)[None], attention_mask=None,
+                                      past_key_values=cache, use_cache=True, is_causal=False)
+            tokens, ref_logits = ref.sample_draft_tokens(ref.compute_logits(h), first_prev_token_ids=block[:, 0],
+                                                         temperature=0.0, hidden_states=h)
+            ref_logits = ref_logits[0]
+            ref_conf = ref.predict_confidence_step(h, prev_token_ids=torch.cat([block[:, :1], tokens[:, :-1]], 1))
+        # ours, teacher-forced on the reference's greedy drafts
+        ids = torch.cat([prompt, tokens], 1)
+        docs = torch.zeros_like(ids)
+        features = qwen3_host.forward(ids, document_ids=docs, taps=drafter.feature_layers).features
+        if eagle:
+            ours = torch.stack([step[0, C - 1] for step in drafter.ttt_logits(ids, features, docs)][:K])
+            conf = None
+        else:
+            out = drafter.block_logits(input_ids=ids, features=features, document_ids=docs,
+                                       anchors=torch.tensor([[C]]))
+            ours, conf = out.q_logits[0, 0], out.conf_logits
+    torch.testing.assert_close(ours, ref_logits, rtol=1e-4, atol=1e-4)
+    assert (conf is None) == (ref_conf is None)
+    if conf is not None:
+        torch.testing.assert_close(conf[0, 0], ref_conf[0], rtol=1e-4, atol=1e-4)
