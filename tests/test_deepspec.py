@@ -17,13 +17,13 @@ import torch
 
 from conftest import tiny_model
 from drafters import load_drafter
-from drafters.base import DraftState
 from drafters.checkpoint import CheckpointError, read_config
 from drafters.deepspec import export_deepspec
 from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from dspark.host import Host
-from dspark.sampling import SamplingConfig
+from dspark.engine.host import Host
+from dspark.engine.protocol import DraftState
+from dspark.engine.sampling import SamplingConfig
 
 LAYERS, VOCAB, HIDDEN = 6, 128, 64  # host: 6 layers, 4 heads of 16, 2 KV heads
 MASK_ID = VOCAB - 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verifiers.base import write_json_atomic
+from dspark.engine.jsonio import write_json_atomic
 from verifiers.calibration import STSCalibrator
 from verifiers.cost_model import CostModel
 
