@@ -11,9 +11,12 @@ Export (`export_deepspec`): parameter names are renamed (RENAMES below), the fc 
 tapped layers appear in increasing order (the reference requires strictly increasing `target_layer_ids`), and the
 host's embedding and LM head are written next to them. Our learned mask-slot embedding becomes the embedding row of
 `mask_token_id` (the reference embeds the mask token with its embedding table).
-Import (`checkpoint_config` + `our_tensors`, called by drafters.checkpoint): the same renames backwards; the mask
-embedding is read from row `mask_token_id`; the embedding and LM head copies are checked against the host's (a
-drafter here borrows the host's own, so a checkpoint made for another host is refused).
+A drafter whose config has `mask_token_id` (the mask slots are the host's frozen embedding of that token, as in the
+reference) is written with the host's embedding unchanged.
+Import (`checkpoint_config` + `our_tensors`, called by drafters.checkpoint): the same renames backwards. A checkpoint
+the reference wrote (no "dspark" key) gets `mask_token_id` (its frozen row must be the host's); our export of a
+learned mask reads the vector back from row `mask_token_id`. The embedding and LM head copies are checked against
+the host's (a drafter here borrows the host's own, so a checkpoint made for another host is refused).
 """
 from __future__ import annotations
 
@@ -56,9 +59,10 @@ RENAMES = {
         (r"^layer\.", "layers.0."),  # hidden_norm, post_attention_layernorm, mlp.*
     ],
 }
-#: our DSpark config fields the reference's config.json has no place for (training-loss settings); export keeps
-#: them under the extra key "dspark" so that export -> import gives back the same config
-TRAINING_ONLY = {"dspark": ("decay", "ce_weight", "tv_weight", "conf_weight", "rank"), "eagle3": ()}
+#: our DSpark config fields the reference's config.json has no place for (training-loss settings, and whether the
+#: mask embedding is learned: mask_token_id None); export keeps them under the extra key "dspark" so that
+#: export -> import gives back the same config
+TRAINING_ONLY = {"dspark": ("decay", "ce_weight", "tv_weight", "conf_weight", "rank", "mask_token_id"), "eagle3": ()}
 
 
 def reference_name(kind: str, ours: str) -> str:
@@ -127,6 +131,8 @@ def checkpoint_config(raw: dict, *, source: str) -> dict:
 
         defaults = dataclasses.asdict(dflash_config() if head == "none" else DSparkConfig())
         config = {k: extra.get(k, defaults[k]) for k in TRAINING_ONLY["dspark"]}
+        # the reference embeds the mask slots with its frozen copy of the target's row mask_token_id
+        config["mask_token_id"] = extra.get("mask_token_id") if "dspark" in raw else int(raw["mask_token_id"])
         config.update(feature_layers=taps, num_layers=int(raw["num_hidden_layers"]), gamma=int(raw["block_size"]),
                       head=head, confidence=confidence, max_anchors=int(raw.get("num_anchors", defaults["max_anchors"])))
         if rank > 0:
@@ -175,6 +181,10 @@ def our_tensors(drafter, tensors: dict[str, torch.Tensor], raw: dict, host, *, s
     if mask_id is not None and not 0 <= mask_id < embed.shape[0]:
         raise CheckpointError(f"{source}: mask_token_id {mask_id} is outside the embedding ({embed.shape[0]} rows)")
     _check_copy(EMBED, embed, host.embed_tokens.weight, source=source, skip_row=mask_id)
+    learned = "mask_embedding" in drafter.state_dict()
+    if mask_id is not None and not learned:  # the mask slots are the host's row: the checkpoint's must be it
+        _check_copy(f"mask embedding (row {mask_id} of {EMBED})", embed[mask_id:mask_id + 1],
+                    host.embed_tokens.weight[mask_id:mask_id + 1], source=source)
     _check_copy(LM_HEAD, lm_head, host.lm_head.weight, source=source)
     out = {}
     for ours in drafter.state_dict():
@@ -248,7 +258,7 @@ def deepspec_state_dict(drafter, host, *, mask_token_id: int | None, dtype: torc
     blocks = out["fc.weight"].split(H, dim=1)  # one (H, H) block per tap, in our tap order
     out["fc.weight"] = torch.cat([blocks[taps.index(i)] for i in sorted(taps)], dim=1)
     embed = host.embed_tokens.weight.detach().clone()
-    if kind == "dspark":
+    if kind == "dspark" and drafter.config.mask_token_id is None:  # the learned vector goes into its row
         if not 0 <= mask_token_id < embed.shape[0]:
             raise ValueError(f"mask_token_id {mask_token_id} is outside the host's vocabulary (0..{embed.shape[0] - 1})")
         embed[mask_token_id] = drafter.mask_embedding.detach().to(embed.dtype)
@@ -265,7 +275,13 @@ def export_deepspec(drafter, host, directory: str | os.PathLike, *, mask_token_i
     default `default_mask_token_id(host)`)."""
     if drafter.kind not in SUFFIX:
         raise ValueError(f"a '{drafter.kind}' drafter has no DeepSpec layout; exportable kinds: {sorted(SUFFIX)}")
-    if drafter.kind == "dspark" and mask_token_id is None:
+    own = drafter.config.mask_token_id if drafter.kind == "dspark" else None
+    if own is not None:  # the drafter embeds the mask as the host's row of its own mask_token_id
+        if mask_token_id not in (None, own):
+            raise ValueError(f"the drafter was trained with mask_token_id={own}; --mask-token-id {mask_token_id} "
+                             "would change its drafts")
+        mask_token_id = own
+    elif drafter.kind == "dspark" and mask_token_id is None:
         mask_token_id = default_mask_token_id(host)
     config = deepspec_config(drafter, host, mask_token_id=mask_token_id, dtype=dtype)
     tensors = deepspec_state_dict(drafter, host, mask_token_id=mask_token_id, dtype=dtype)

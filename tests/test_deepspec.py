@@ -33,7 +33,9 @@ VARIANTS = {
     "dspark-gated": lambda host: DSparkDrafter(host, DSparkConfig(head="gated", **SMALL)),
     "dspark-rnn": lambda host: DSparkDrafter(host, DSparkConfig(head="rnn", **SMALL)),
     "dspark-markov-noconf": lambda host: DSparkDrafter(host, DSparkConfig(head="markov", confidence=False, **SMALL)),
+    "dspark-frozen-mask": lambda host: DSparkDrafter(host, DSparkConfig(head="rnn", mask_token_id=MASK_ID, **SMALL)),
     "dflash": lambda host: DSparkDrafter(host, dflash_config(**SMALL)),
+    "dflash-frozen-mask": lambda host: DSparkDrafter(host, dflash_config(mask_token_id=MASK_ID, **SMALL)),
     "eagle3": lambda host: Eagle3Drafter(host, Eagle3Config(feature_layers=(1, 2, 3))),
     "eagle3-five": lambda host: Eagle3Drafter(host, Eagle3Config(feature_layers=(0, 1, 2, 3, 4))),
 }
@@ -205,8 +207,10 @@ def test_export_matches_the_reference_layout(name, qwen3_host, tmp_path):
         assert config.get("confidence_head_with_markov") == (rank > 0 if cfg.confidence else None)
         spec = dspark_spec(layers=cfg.num_layers, taps=len(cfg.feature_layers), rank=rank, head_type=head_type,
                            confidence=cfg.confidence, with_markov=rank > 0, **dims)
-        # the mask slot is the embedding of mask_token_id; every other row is the target's
-        assert torch.equal(tensors["embed_tokens.weight"][MASK_ID], drafter.mask_embedding.detach())
+        # the mask slot is the embedding of mask_token_id: our learned vector, or the target's own row when the
+        # drafter was trained with the host's frozen mask row; every other row is the target's
+        mask = qwen3_host.embed_tokens.weight[MASK_ID] if cfg.mask_token_id is not None else drafter.mask_embedding
+        assert torch.equal(tensors["embed_tokens.weight"][MASK_ID], mask.detach())
         assert torch.equal(tensors["embed_tokens.weight"][:MASK_ID], qwen3_host.embed_tokens.weight[:MASK_ID])
     assert {k: tuple(v.shape) for k, v in tensors.items()} == spec
     assert torch.equal(tensors["lm_head.weight"], qwen3_host.lm_head.weight)
@@ -231,15 +235,47 @@ def test_read_config_translates_a_deepspec_config(qwen3_host, tmp_path):
     assert saved["kind"] == "dspark" and saved["config"]["head"] == "none" and saved["config"]["confidence"] is False
 
 
-def test_reference_trained_checkpoint_without_our_extras_loads_with_variant_defaults(qwen3_host, tmp_path):
-    """A checkpoint written by the reference has no "dspark" key: the loss settings fall back to the defaults."""
-    export_deepspec(make("dflash", qwen3_host), qwen3_host, tmp_path / "ds", mask_token_id=MASK_ID)
-    path = tmp_path / "ds" / "config.json"
+def without_our_extras(directory) -> None:
+    """Make an export look like a checkpoint the reference wrote: no "dspark" key."""
+    path = directory / "config.json"
     config = json.loads(path.read_text())
     del config["dspark"]
     path.write_text(json.dumps(config))
+
+
+def test_reference_trained_checkpoint_loads_with_the_frozen_mask_row_and_variant_defaults(qwen3_host, tmp_path):
+    """The reference embeds the mask slots with its frozen copy of the target's row mask_token_id: imported with
+    mask_token_id set (no learned vector), the loss settings at the variant's defaults."""
+    drafter = make("dflash-frozen-mask", qwen3_host)
+    drafter.config.ce_weight = 0.5  # a training-only setting the reference's config cannot carry
+    export_deepspec(drafter, qwen3_host, tmp_path / "ds")
+    without_our_extras(tmp_path / "ds")
     back = load_drafter(tmp_path / "ds", qwen3_host)
     assert back.config.head == "none" and back.config.ce_weight == dflash_config().ce_weight
+    assert back.config.mask_token_id == MASK_ID and "mask_embedding" not in back.state_dict()
+    for a, b in zip(draft_logits(drafter, qwen3_host), draft_logits(back, qwen3_host), strict=True):
+        assert torch.equal(a, b)
+    # a DeepSpec-format checkpoint whose mask row is not the target's (not the reference's frozen row) is refused
+    export_deepspec(make("dflash", qwen3_host), qwen3_host, tmp_path / "learned", mask_token_id=MASK_ID)
+    without_our_extras(tmp_path / "learned")
+    with pytest.raises(CheckpointError, match=f"mask embedding \\(row {MASK_ID}"):
+        load_drafter(tmp_path / "learned", qwen3_host)
+
+
+def test_frozen_mask_row_is_the_hosts_embedding_and_stays_lossless(qwen3_host):
+    from dspark.engine.decode import generate
+
+    drafter = make("dspark-frozen-mask", qwen3_host)
+    assert "mask_embedding" not in dict(drafter.named_parameters())
+    block = drafter._block_input(torch.tensor([5, 9]))  # (2, gamma, H)
+    assert torch.equal(block[:, 1:], qwen3_host.embed_tokens.weight[MASK_ID].expand(2, SMALL["gamma"] - 1, HIDDEN))
+    prompts = [[3, 17, 99, 4, 50, 7], [42, 42, 8]]
+    speculative = generate(qwen3_host, prompts, drafter=drafter, draft_length=4, max_new_tokens=10)
+    assert speculative.token_ids == generate(qwen3_host, prompts, drafter=None, max_new_tokens=10).token_ids
+    with pytest.raises(ValueError, match="trained with mask_token_id"):
+        export_deepspec(drafter, qwen3_host, "unused", mask_token_id=3)
+    with pytest.raises(ValueError, match="outside the host's vocabulary"):
+        DSparkDrafter(qwen3_host, DSparkConfig(mask_token_id=VOCAB, **SMALL))
 
 
 def test_import_refuses_another_targets_embedding(qwen3_host, tmp_path):
