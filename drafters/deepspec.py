@@ -134,7 +134,8 @@ def checkpoint_config(raw: dict, *, source: str) -> dict:
         # the reference embeds the mask slots with its frozen copy of the target's row mask_token_id
         config["mask_token_id"] = extra.get("mask_token_id") if "dspark" in raw else int(raw["mask_token_id"])
         config.update(feature_layers=taps, num_layers=int(raw["num_hidden_layers"]), gamma=int(raw["block_size"]),
-                      head=head, confidence=confidence, max_anchors=int(raw.get("num_anchors", defaults["max_anchors"])))
+                      head=head, confidence=confidence,
+                      max_anchors=int(raw.get("num_anchors", defaults["max_anchors"])))
         if rank > 0:
             config["rank"] = rank
     else:
@@ -260,7 +261,8 @@ def deepspec_state_dict(drafter, host, *, mask_token_id: int | None, dtype: torc
     embed = host.embed_tokens.weight.detach().clone()
     if kind == "dspark" and drafter.config.mask_token_id is None:  # the learned vector goes into its row
         if not 0 <= mask_token_id < embed.shape[0]:
-            raise ValueError(f"mask_token_id {mask_token_id} is outside the host's vocabulary (0..{embed.shape[0] - 1})")
+            raise ValueError(f"mask_token_id {mask_token_id} is outside the host's vocabulary "
+                             f"(0..{embed.shape[0] - 1})")
         embed[mask_token_id] = drafter.mask_embedding.detach().to(embed.dtype)
     out[EMBED] = embed
     out[LM_HEAD] = host.lm_head.weight.detach()

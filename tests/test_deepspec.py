@@ -321,7 +321,8 @@ def test_cli_export_then_generate_with_the_export(tmp_path, capsys):
     drafter = randomized(DSparkDrafter(host, DSparkConfig(head="markov", num_layers=2, rank=16, gamma=4,
                                                           feature_layers=(0, 1, 2))))
     drafter.save_pretrained(tmp_path / "ours")
-    STSCalibrator(temperatures=[1.5, 2.0, 0.5, 1.0], fit_size=[40, 30, 20, 10]).save(tmp_path / "ours" / "calibration.json")
+    calibration = STSCalibrator(temperatures=[1.5, 2.0, 0.5, 1.0], fit_size=[40, 30, 20, 10])
+    calibration.save(tmp_path / "ours" / "calibration.json")
     rc = main(["export", "--drafter-path", str(tmp_path / "ours"), "--format", "deepspec",
                "--output", str(tmp_path / "ds"), "--mask-token-id", str(host.vocab_size - 1)])
     assert rc == 0, capsys.readouterr().err
