@@ -6,6 +6,8 @@ Layout of a checkpoint directory (never pickle):
                                     feature_layers, name)}
   model.safetensors                the drafter's state_dict, or, when larger than `max_shard_bytes`,
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata", "weight_map"}, the HF layout).
+A DeepSpec-format directory (the reference implementation's layout, docs/DEEPSPEC.md) is read too: `read_config`
+translates its config.json and `from_pretrained` renames its weights (drafters/deepspec.py).
 The shared frozen host embedding and LM head are not in the state_dict (drafters hold them in a
 `drafters.blocks.SharedHost`), so they are never saved.
 

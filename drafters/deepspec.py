@@ -291,7 +291,8 @@ def export_deepspec(drafter, host, directory: str | os.PathLike, *, mask_token_i
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"cannot export to {directory}: it exists and is not a directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp, old = directory.parent / f".{directory.name}.tmp-{tag}", directory.parent / f".{directory.name}.old-{tag}"
     tmp.mkdir()
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
@@ -300,6 +301,7 @@ def export_deepspec(drafter, host, directory: str | os.PathLike, *, mask_token_i
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if directory.exists():
-        shutil.rmtree(directory)
+        os.rename(directory, old)  # why two renames: as save_pretrained, a crash never leaves half a checkpoint
     os.rename(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
     return directory
