@@ -6,6 +6,8 @@ Layout of a checkpoint directory (never pickle):
                                     feature_layers, name)}
   model.safetensors                the drafter's state_dict, or, when larger than `max_shard_bytes`,
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata", "weight_map"}, the HF layout).
+A DeepSpec-format directory (the reference implementation's layout, docs/DEEPSPEC.md) is read too: `read_config`
+translates its config.json and `from_pretrained` renames its weights (drafters/deepspec.py).
 The shared frozen host embedding and LM head are not in the state_dict (drafters hold them in a
 `drafters.blocks.SharedHost`), so they are never saved.
 
@@ -183,6 +185,10 @@ def read_config(directory: str | os.PathLike) -> dict:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot parse {path}: {e}") from e
+    from drafters import deepspec  # why here: deepspec imports this module
+
+    if isinstance(config, dict) and deepspec.is_deepspec(config):  # the reference's layout (docs/DEEPSPEC.md)
+        return deepspec.checkpoint_config(config, source=str(path))
     missing = [k for k in ("format_version", "kind", "config", "host") if k not in config]
     if missing:
         raise CheckpointError(f"{path} is not a drafter config: missing keys {missing}")
@@ -244,6 +250,10 @@ def from_pretrained(cls, directory: str | os.PathLike, host, **expected):
     check_host(fingerprint, host, source=source)
     drafter = cls(host, config)
     tensors = _read_weights(directory)
+    if "deepspec" in saved:  # the reference's names -> ours (and its embedding / LM head checked against the host)
+        from drafters.deepspec import our_tensors
+
+        tensors = our_tensors(drafter, tensors, saved["deepspec"], host, source=source)
     own = drafter.state_dict()
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:

@@ -11,6 +11,7 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
     dspark experiment NAME ...                     concurrency, savings, threshold, length, acceptance, simulate
     dspark report RESULTS_DIR [--report-to wandb]  one markdown page (tables + PNGs) from experiment results
+    dspark export --drafter-path DIR --format deepspec --output OUT   the reference's layout (docs/DEEPSPEC.md)
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ class ProfileOptions:
     engine_json: Optional[str] = field(default=None, metadata={
         "help": "also export the engine-neutral scheduling JSON (with --calibration's STS temperatures)"})
     calibration: Optional[str] = field(default=None, metadata={"help": "STS JSON to include in --engine-json"})
+    sglang_sps_table: Optional[str] = field(default=None, metadata={
+        "help": "also write the table as SGLang's DSpark scheduler reads it (--speculative-dspark-sps-table-path)"})
 
 
 @dataclass
@@ -107,6 +110,21 @@ class SweepOptions:
     draft_lengths: list[int] = field(default_factory=lambda: [1, 3, 5, 7], metadata={"help": "gamma values"})
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrency values"})
     out_dir: str = field(default="sweep", metadata={"help": "directory for sweep.json, sweep.md and sweep.png"})
+
+
+@dataclass
+class ExportOptions:
+    drafter_path: str = field(metadata={"help": "the drafter checkpoint to export (dspark's or DeepSpec's)"})
+    output: str = field(metadata={"help": "directory to write the exported checkpoint to (replaced)"})
+    format: Literal["deepspec"] = field(default="deepspec", metadata={
+        "help": "deepspec: the layout of deepseek-ai/DeepSpec, which vLLM, SGLang and TensorRT-LLM load"})
+    host: Optional[str] = field(default=None, metadata={
+        "help": "the host the drafter was trained for (default: the one the checkpoint records)"})
+    device: str = field(default="cpu", metadata={"help": "where the host is loaded to read its embedding and LM head"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the written weights"})
+    mask_token_id: Optional[int] = field(default=None, metadata={
+        "help": "DSpark/DFlash: the embedding row holding the mask embedding (default: the first row past the "
+                "tokenizer's vocabulary, 151669 on Qwen3)"})
 
 
 @dataclass
@@ -264,6 +282,10 @@ def cmd_profile(argv) -> int:
     cost.to_csv(Path(p.out).with_suffix(".csv"))
     if p.engine_json:
         export_engine_json(p.engine_json, cost=cost, sts_temperatures=sts)
+    if p.sglang_sps_table:
+        from verifiers.engine_tables import export_sglang_sps
+
+        export_sglang_sps(p.sglang_sps_table, cost)
     print(f"wrote {p.out}: SPS at B = " + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
     return 0
 
@@ -347,6 +369,39 @@ def plugin_commands() -> dict:
     return {ep.name: ep for ep in entry_points(group="dspark.commands")}
 
 
+def cmd_export(argv) -> int:
+    """A drafter checkpoint in another layout; with its STS calibration, also as SGLang reads it."""
+    import shutil
+
+    import torch
+
+    from dspark.api import CALIBRATION_FILE, checkpoint_dir, load_host
+    from drafters import load_drafter
+    from drafters.checkpoint import read_config
+    from drafters.deepspec import export_deepspec
+    from verifiers.calibration import STSCalibrator
+    from verifiers.engine_tables import export_sglang_sts
+
+    (x,) = parse([ExportOptions], argv, prog="dspark export")
+    source = checkpoint_dir(x.drafter_path)
+    host_name = x.host or read_config(source)["host"]["name"]
+    if host_name is None:
+        raise ConfigError(f"{source} records no host: pass --host")
+    host = load_host(host_name, dtype="float32", device=x.device)
+    drafter = load_drafter(source, host)
+    out = export_deepspec(drafter, host, x.output, mask_token_id=x.mask_token_id,
+                          dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[x.dtype])
+    written = [out / "config.json"]
+    calibration = source / CALIBRATION_FILE
+    if calibration.is_file():  # evaluating the export here picks it up; SGLang reads the second
+        shutil.copyfile(calibration, out / CALIBRATION_FILE)
+        export_sglang_sts(out / "sglang_sts.json", STSCalibrator.load(calibration), dataset=str(source))
+        written += [out / CALIBRATION_FILE, out / "sglang_sts.json"]
+    print(f"wrote {out} ({drafter.name} for host {host_name!r}, DeepSpec layout): " + ", ".join(p.name for p in written)
+          + " and the weights")
+    return 0
+
+
 def cmd_train(argv) -> int:
     from dspark.training.train import main_train
 
@@ -370,7 +425,7 @@ def cmd_quickstart(argv) -> int:
 
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
             "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
-            "compare": cmd_compare}
+            "compare": cmd_compare, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
