@@ -29,6 +29,7 @@ import shutil
 import uuid
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -172,6 +173,21 @@ def save_pretrained(drafter, directory: str | os.PathLike, *,
     return directory
 
 
+@dataclass(frozen=True)
+class ForeignLayout:
+    """How to read a checkpoint written by another project: `detect(config.json)`; `to_config` gives our config
+    dict, keeping the raw config under the layout's name; `to_tensors` renames its weights to ours.
+    why a registry: the layout modules build on this one (its errors, its weight writer), so this module must not
+    import them; each registers itself when the drafters package is imported."""
+
+    detect: Callable[[dict], bool]
+    to_config: Callable[..., dict]
+    to_tensors: Callable[..., dict]
+
+
+FOREIGN_LAYOUTS: dict[str, ForeignLayout] = {}
+
+
 def read_config(directory: str | os.PathLike) -> dict:
     """Parse and validate config.json of a checkpoint directory."""
     directory = Path(directory)
@@ -185,10 +201,9 @@ def read_config(directory: str | os.PathLike) -> dict:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot parse {path}: {e}") from e
-    from drafters import deepspec  # why here: deepspec imports this module
-
-    if isinstance(config, dict) and deepspec.is_deepspec(config):  # the reference's layout (docs/DEEPSPEC.md)
-        return deepspec.checkpoint_config(config, source=str(path))
+    for layout in FOREIGN_LAYOUTS.values():  # another project's layout, e.g. the reference's (docs/DEEPSPEC.md)
+        if isinstance(config, dict) and layout.detect(config):
+            return layout.to_config(config, source=str(path))
     missing = [k for k in ("format_version", "kind", "config", "host") if k not in config]
     if missing:
         raise CheckpointError(f"{path} is not a drafter config: missing keys {missing}")
@@ -250,10 +265,9 @@ def from_pretrained(cls, directory: str | os.PathLike, host, **expected):
     check_host(fingerprint, host, source=source)
     drafter = cls(host, config)
     tensors = _read_weights(directory)
-    if "deepspec" in saved:  # the reference's names -> ours (and its embedding / LM head checked against the host)
-        from drafters.deepspec import our_tensors
-
-        tensors = our_tensors(drafter, tensors, saved["deepspec"], host, source=source)
+    for name, layout in FOREIGN_LAYOUTS.items():  # its names -> ours (and any frozen copies checked against the host)
+        if name in saved:
+            tensors = layout.to_tensors(drafter, tensors, saved[name], host, source=source)
     own = drafter.state_dict()
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from drafters.checkpoint import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, CheckpointError,
-                                 _write_weights)
+from drafters.checkpoint import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, FOREIGN_LAYOUTS, FORMAT_VERSION,
+                                 CheckpointError, ForeignLayout, _write_weights)
 
 #: our head name -> the reference's `markov_head_type` (head "none" = `markov_rank` 0)
 MARKOV_HEAD_TYPES = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
@@ -305,3 +305,7 @@ def export_deepspec(drafter, host, directory: str | os.PathLike, *, mask_token_i
     os.rename(tmp, directory)
     shutil.rmtree(old, ignore_errors=True)
     return directory
+
+
+# every `--drafter-path` reads the reference's checkpoints: read_config / from_pretrained look here
+FOREIGN_LAYOUTS["deepspec"] = ForeignLayout(detect=is_deepspec, to_config=checkpoint_config, to_tensors=our_tensors)
