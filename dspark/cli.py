@@ -35,9 +35,11 @@ class HostOptions:
 @dataclass
 class DecodeOptions:
     drafter: str = field(default="none", metadata={
-        "help": "none (plain decoding), ngram, dspark, dflash, mtp, eagle3, small-lm; with --drafter-path the "
-                "checkpoint's weights, without it random weights (a warning)"})
-    drafter_path: Optional[str] = field(default=None, metadata={"help": "a save_pretrained drafter directory"})
+        "help": "a registered name: none (plain decoding), ngram, dspark, dflash, mtp, eagle3, small-lm; with "
+                "--drafter-path the checkpoint's weights, without it random weights (a warning). Never a folder, "
+                "even one of the same name: folders go to --drafter-path"})
+    drafter_path: Optional[str] = field(default=None, metadata={
+        "help": "a save_pretrained drafter directory (or a `dspark train --output` directory: its newest checkpoint)"})
     verifier: Literal["full", "threshold", "scheduler", "lagged"] = field(default="full", metadata={
         "help": "how many drafts each request verifies per round"})
     threshold: Optional[float] = field(default=None, metadata={"help": "confidence threshold (--verifier threshold)"})
@@ -123,7 +125,19 @@ def _host(opts: HostOptions):
     return load_host(opts.host, dtype=opts.dtype, device=opts.device)
 
 
+def check_drafter_flag(d: DecodeOptions) -> None:
+    """ConfigError unless --drafter is a registered name; a folder there gets a hint to use --drafter-path."""
+    from drafters import DRAFTERS
+
+    if d.drafter == "none" or d.drafter in DRAFTERS:
+        return
+    hint = (f"; {d.drafter!r} is a folder: pass a checkpoint directory as --drafter-path {d.drafter}"
+            if Path(d.drafter).is_dir() else "")
+    raise ConfigError(f"unknown --drafter {d.drafter!r}: choose none or one of {', '.join(sorted(DRAFTERS))}{hint}")
+
+
 def _decode_kwargs(d: DecodeOptions) -> dict:
+    check_drafter_flag(d)
     return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
                 draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
