@@ -183,9 +183,9 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
 
 
 def _drafter_label(d: DecodeOptions) -> str:
-    """The drafter's kind for reports: the flag, or the checkpoint's config.json kind when only a path is given
-    (dflash for a DSpark-class checkpoint with no head)."""
-    if d.drafter != "none" or d.drafter_path is None:
+    """The drafter's kind for reports: what was loaded, so the checkpoint's config.json kind whenever a checkpoint
+    is given (dflash for a DSpark-class checkpoint with no head, even under --drafter dspark), else the flag."""
+    if d.drafter_path is None or d.drafter in ("ngram", "small-lm"):
         return d.drafter
     from dspark.api import checkpoint_dir
     from drafters.checkpoint import read_config
@@ -339,7 +339,7 @@ def cmd_sweep(argv) -> int:
     from experiments.sweep import run_sweep
 
     h, d, e, s = parse([HostOptions, DecodeOptions, EvalOptions, SweepOptions], argv, prog="dspark sweep")
-    run_sweep(h, d, e, s, argv=argv)
+    run_sweep(h, d, e, s, argv=argv)  # loads the host through _host: --deterministic applies
     return 0
 
 

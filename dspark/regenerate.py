@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
 from tqdm.auto import tqdm
 
 from dspark.config import parse
@@ -58,6 +57,7 @@ class RegenerateConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed, combined with each conversation id"})
     batch_size: int = field(default=16, metadata={"help": "prompts decoded together (and written per batch)"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_length", "max_new_tokens", "batch_size"):
@@ -100,10 +100,11 @@ def completed_ids(path: Path) -> set[str]:
     return done
 
 
-def load_host(name: str, device: str) -> Host:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=device)
+def load_host(name: str, device: str, dtype: str = "auto") -> Host:
+    from dspark.api import resolve_device, resolve_dtype
+
+    device = resolve_device(device)
+    model, tokenizer = load_model_and_tokenizer(name, dtype=resolve_dtype(dtype, device), device=device)
     if tokenizer is None:
         raise ValueError(f"host {name!r} has no tokenizer: regeneration renders chat prompts and decodes text")
     return Host(model, tokenizer, name=name)
@@ -111,7 +112,7 @@ def load_host(name: str, device: str) -> Host:
 
 def regenerate(cfg: RegenerateConfig, host: Host | None = None) -> Path:
     """Write (or complete) cfg.output with the host's responses to the dataset's prompts; returns its path."""
-    host = host or load_host(cfg.host, cfg.device)
+    host = host or load_host(cfg.host, cfg.device, cfg.dtype)
     tokenizer = host.tokenizer
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -32,14 +32,14 @@ def break_even(rows: list[dict]) -> dict[int, int | None]:
 def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Path:
     from matplotlib.figure import Figure
 
-    from dspark.api import load_host, resolve_drafter, resolve_verifier
-    from dspark.cli import _drafter_label, check_drafter_flag, eval_prompts
+    from dspark.api import resolve_drafter, resolve_verifier
+    from dspark.cli import _drafter_label, _host, check_drafter_flag, eval_prompts
     from dspark.decode import generate
     from dspark.quickstart import environment
     from dspark.sampling import SamplingConfig
 
     check_drafter_flag(decode_opts)
-    host = load_host(host_opts.host, dtype=host_opts.dtype, device=host_opts.device)
+    host = _host(host_opts)  # as every command loads it: --deterministic switches before the host loads
     drafter = resolve_drafter(host, None if decode_opts.drafter == "none" and decode_opts.drafter_path
                               else decode_opts.drafter, drafter_path=decode_opts.drafter_path)
     if drafter is None:

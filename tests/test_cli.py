@@ -71,3 +71,54 @@ def test_readme_style_commands_from_the_repository_root(monkeypatch, capsys):
     out = run_json(capsys, ["generate", "--host", "smollm2", "--drafter", "dspark", "--prompt",
                             "Name three primes, please.", "--prompt", "hi", "--max-new-tokens", "4", "--json"])
     assert len(out["outputs"]) == 2 and out["stats"]["rounds"] > 0
+
+
+def test_a_dflash_checkpoint_is_labelled_dflash_under_drafter_dspark(host_dir, tmp_path, capsys):
+    from drafters import build_drafter
+
+    host = dspark.load_host(host_dir, device="cpu")
+    build_drafter("dflash", host, num_layers=1).save_pretrained(tmp_path / "dflash")
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hello"}]}) + "\n")
+    base = ["eval", "--host", host_dir, "--device", "cpu", "--max-new-tokens", "2", "--data", str(data), "--split",
+            "all", "--limit", "1", "--draft-length", "2", "--drafter-path", str(tmp_path / "dflash"), "--json"]
+    assert run_json(capsys, [*base, "--drafter", "dspark"])["drafter"] == "dflash"
+    assert run_json(capsys, base)["drafter"] == "dflash"
+
+
+def test_sweep_deterministic_flag_switches_before_loading(monkeypatch):
+    """(generate / eval / profile / calibrate: tests/test_soak.py::test_deterministic_flag_calls_the_switch_before_loading.)"""
+    from dspark import api
+
+    calls = []
+
+    def load(*args, **kwargs):
+        calls.append("load")
+        raise RuntimeError("stop after loading")
+
+    monkeypatch.setattr(api, "set_deterministic", lambda enabled=True: calls.append("deterministic"))
+    monkeypatch.setattr(api, "load_host", load)
+    with pytest.raises(RuntimeError, match="stop after loading"):
+        main(["sweep", "--host", "random:tiny-llama", "--drafter", "ngram", "--deterministic"])
+    assert calls == ["deterministic", "load"]
+
+
+def test_regenerate_dtype_flag_reaches_the_host(host_dir, tmp_path, monkeypatch):
+    import torch
+
+    import dspark.regenerate
+
+    seen = []
+    real = dspark.regenerate.load_model_and_tokenizer
+
+    def spy(name, *, dtype, device):
+        seen.append(dtype)
+        return real(name, dtype=dtype, device=device)
+
+    monkeypatch.setattr(dspark.regenerate, "load_model_and_tokenizer", spy)
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hello"}]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    main(["regenerate", "--host", host_dir, "--device", "cpu", "--dtype", "bfloat16", "--data", str(data),
+          "--split", "all", "--max-new-tokens", "2", "--output", str(out)])
+    assert seen == [torch.bfloat16] and len(out.read_text().splitlines()) == 1
