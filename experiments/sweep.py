@@ -33,12 +33,13 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
     from matplotlib.figure import Figure
 
     from dspark.api import resolve_drafter, resolve_verifier
-    from dspark.cli import _drafter_label, _host, check_drafter_flag, eval_prompts
+    from dspark.cli import _drafter_label, _host, check_drafter_flag, eval_prompts, resolve_split
     from dspark.decode import generate
     from dspark.quickstart import environment
     from dspark.sampling import SamplingConfig
 
     check_drafter_flag(decode_opts)
+    eval_opts = resolve_split(decode_opts, eval_opts)  # the held-out split the drafter was trained with
     host = _host(host_opts)  # as every command loads it: --deterministic switches before the host loads
     drafter = resolve_drafter(host, None if decode_opts.drafter == "none" and decode_opts.drafter_path
                               else decode_opts.drafter, drafter_path=decode_opts.drafter_path)
@@ -69,6 +70,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
     env = environment(host.device)
     doc = {"command": "dspark sweep " + " ".join(argv or []), "environment": env, "host": host_opts.host,
            "drafter": label, "drafter_path": decode_opts.drafter_path, "verifier": decode_opts.verifier,
+           "data": eval_opts.data, "split": eval_opts.split, "heldout_fraction": eval_opts.heldout_fraction,
            "temperature": decode_opts.temperature, "break_even_batch_size": break_even(rows), "results": rows}
     (out / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
     table = markdown_table(rows, [("batch_size", "B"), ("method", "method"), ("draft_length", "γ"), ("tau", "τ"),
