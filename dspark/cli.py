@@ -5,7 +5,7 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark generate --prompt "..." [--drafter ngram|dspark|... | --drafter-path DIR] [--json]
     dspark eval --drafter-path DIR --data sharegpt --temperature 1 --json
     dspark compare --run a.json --against b.json    tau ratio of two evals with a paired bootstrap interval
-    dspark train / regenerate                     see dspark.train, dspark.regenerate
+    dspark train / regenerate                     see dspark.training.train, dspark.training.regenerate
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
     dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
@@ -175,7 +175,7 @@ def trained_split(drafter_path) -> dict | None:
     """{"data", "heldout_fraction"} a drafter was trained with, from the trainer_state.json that `dspark train`
     writes into every checkpoint; None for a checkpoint without one (saved by other means)."""
     from dspark.api import checkpoint_dir
-    from dspark.data import HELDOUT_FRACTION
+    from dspark.training.data import HELDOUT_FRACTION
 
     state = checkpoint_dir(drafter_path) / "trainer_state.json"
     if not state.is_file():
@@ -195,7 +195,7 @@ def resolve_split(d: DecodeOptions, e: EvalOptions, *, default_split: str = "hel
     trained on this --data (else dspark's default), so its held-out prompts are ones it never saw in training."""
     from dataclasses import replace
 
-    from dspark.data import HELDOUT_FRACTION
+    from dspark.training.data import HELDOUT_FRACTION
 
     if e.heldout_fraction is not None and not 0.0 <= e.heldout_fraction < 1.0:
         raise ConfigError(f"--heldout-fraction must be in [0, 1), got {e.heldout_fraction}")
@@ -217,7 +217,7 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
     import warnings
 
     from dspark.api import encode_prompts
-    from dspark.data import HELDOUT_FRACTION, load_conversations, prompts
+    from dspark.training.data import HELDOUT_FRACTION, load_conversations, prompts
 
     if opts.offset < 0 or opts.limit < 1:
         raise ConfigError(f"--offset must be >= 0 and --limit >= 1, got {opts.offset} and {opts.limit}")
@@ -417,14 +417,14 @@ def cmd_sweep(argv) -> int:
 
 
 def cmd_train(argv) -> int:
-    from dspark.train import main_train
+    from dspark.training.train import main_train
 
     main_train(argv)
     return 0
 
 
 def cmd_regenerate(argv) -> int:
-    from dspark.regenerate import main_regenerate
+    from dspark.training.regenerate import main_regenerate
 
     main_regenerate(argv)
     return 0

@@ -34,9 +34,9 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
 
     from dspark.api import resolve_drafter, resolve_verifier
     from dspark.cli import _drafter_label, _host, check_drafter_flag, eval_prompts, resolve_split
-    from dspark.decode import generate
+    from dspark.engine.decode import generate
     from dspark.quickstart import environment
-    from dspark.sampling import SamplingConfig
+    from dspark.engine.sampling import SamplingConfig
 
     check_drafter_flag(decode_opts)
     eval_opts = resolve_split(decode_opts, eval_opts)  # the held-out split the drafter was trained with

@@ -106,16 +106,16 @@ def test_sweep_deterministic_flag_switches_before_loading(monkeypatch):
 def test_regenerate_dtype_flag_reaches_the_host(host_dir, tmp_path, monkeypatch):
     import torch
 
-    import dspark.regenerate
+    import dspark.training.regenerate as regenerate_module
 
     seen = []
-    real = dspark.regenerate.load_model_and_tokenizer
+    real = regenerate_module.load_model_and_tokenizer
 
     def spy(name, *, dtype, device):
         seen.append(dtype)
         return real(name, dtype=dtype, device=device)
 
-    monkeypatch.setattr(dspark.regenerate, "load_model_and_tokenizer", spy)
+    monkeypatch.setattr(regenerate_module, "load_model_and_tokenizer", spy)
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hello"}]}) + "\n")
     out = tmp_path / "regen.jsonl"
@@ -158,7 +158,7 @@ FRACTION = 0.25
 def trained(host_dir, tmp_path_factory) -> dict:
     """A DSpark drafter trained one step on 48 chats (distinct prompts) with heldout_fraction 0.25 (the default
     is 0.02)."""
-    from dspark.train import TrainConfig, train
+    from dspark.training.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("trained")
     data = str(root / "chats.jsonl")
@@ -173,7 +173,7 @@ def trained(host_dir, tmp_path_factory) -> dict:
 
 
 def test_eval_scores_the_heldout_split_the_drafter_was_trained_with(host_dir, trained, capsys):
-    from dspark.data import load_conversations
+    from dspark.training.data import load_conversations
 
     heldout = load_conversations(trained["data"], split="heldout", heldout_fraction=FRACTION)
     assert 0 < len(heldout) < 32 < 48 * FRACTION * 4  # the split is smaller than --limit
