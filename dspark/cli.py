@@ -7,8 +7,10 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark compare --run a.json --against b.json    tau ratio of two evals with a paired bootstrap interval
     dspark train / regenerate                     see dspark.training.train, dspark.training.regenerate
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
-    dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
+    dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram), train side
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
+
+eval, sweep and calibrate take the held-out split a `dspark train` drafter was trained with (docs/RELIABILITY.md §7).
 """
 from __future__ import annotations
 
