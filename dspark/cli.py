@@ -234,7 +234,10 @@ def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
         raise ValueError(f"no prompt of {where} fits --max-prompt-length {opts.max_prompt_length}"
                          + (f" after skipping {opts.offset}" if opts.offset else ""))
     if len(ids) < wanted:
+        # the loader stops at `limit` conversations: short of it, the split itself ran out
+        scanned = "" if len(conversations) < max(4 * wanted, wanted + 16) else f" among its first {len(conversations)}"
         warnings.warn(f"{where} has only {len(ids)} prompts that fit --max-prompt-length {opts.max_prompt_length}"
+                      + scanned
                       + (f", {len(ids) - opts.offset} after skipping {opts.offset}" if opts.offset else "")
                       + f": using {len(ids) - opts.offset}, not --limit {opts.limit}", stacklevel=2)
     return ids[opts.offset: wanted]
