@@ -32,9 +32,21 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
     return found[-1] if found else path
 
 
+def drafter_directory(drafter) -> Path | None:
+    """The checkpoint directory `drafter` names when it is one, else None. A registered name always means the
+    registered drafter, even where a folder of that name exists (the repository's own `dspark/` package folder
+    when run from its root): a checkpoint folder of such a name is passed as drafter_path (`--drafter-path`)."""
+    from drafters import DRAFTERS
+
+    if not isinstance(drafter, (str, os.PathLike)) or str(drafter) in DRAFTERS or drafter == "none":
+        return None
+    return Path(drafter) if Path(drafter).is_dir() else None
+
+
 def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike | None = None, **overrides):
     """A drafter object from what a user typed: None / "none" (plain decoding: returns None), a Drafter
-    object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory."""
+    object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory (a
+    registered name wins over a folder of the same name: see `drafter_directory`)."""
     from drafters import DRAFTERS, Drafter, build_drafter, load_drafter
 
     if isinstance(drafter, Drafter):
@@ -53,7 +65,7 @@ def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike
     if str(drafter) in DRAFTERS:
         checkpoint = None if drafter_path is None or str(drafter) == "small-lm" else checkpoint_dir(drafter_path)
         return build_drafter(str(drafter), host, checkpoint=checkpoint or drafter_path, **overrides)
-    if Path(drafter).is_dir():
+    if drafter_directory(drafter) is not None:
         if drafter_path is not None:
             raise ValueError(f"drafter {drafter!r} is already a checkpoint directory; drop drafter_path")
         return load_drafter(checkpoint_dir(drafter), host)
@@ -133,7 +145,7 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
     """Decode `prompts` with `host`, speculatively when `drafter` is given (object, name or directory)."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     ids = encode_prompts(host, prompts, chat=chat)
-    if drafter_path is None and isinstance(drafter, (str, os.PathLike)) and Path(drafter).is_dir():
+    if drafter_path is None and drafter_directory(drafter) is not None:
         drafter_path, drafter = drafter, None
     drafter = resolve_drafter(host, drafter, drafter_path=drafter_path)
     verifier = resolve_verifier(host, verifier, draft_length=draft_length, drafter_path=drafter_path,

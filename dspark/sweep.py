@@ -33,8 +33,8 @@ def break_even(rows: list[dict]) -> dict[int, int | None]:
     return out
 
 
-def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, sweep_opts, host_name: str, label: str,
-              argv=None) -> Path:
+def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, eval_opts, sweep_opts, host_name: str,
+              label: str, argv=None) -> Path:
     """Decode `base` (cycled to each batch size) plainly and with `drafter` at every gamma; write the report."""
     from matplotlib.figure import Figure  # why here: matplotlib is slow to import and only the report needs it
 
@@ -61,6 +61,7 @@ def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, sweep_opts, 
     env = environment(host.device)
     doc = {"command": "dspark sweep " + " ".join(argv or []), "environment": env, "host": host_name,
            "drafter": label, "drafter_path": decode_opts.drafter_path, "verifier": decode_opts.verifier,
+           "data": eval_opts.data, "split": eval_opts.split, "heldout_fraction": eval_opts.heldout_fraction,
            "temperature": decode_opts.temperature, "break_even_batch_size": break_even(rows), "results": rows}
     (out / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
     table = markdown_table(rows, [("batch_size", "B"), ("method", "method"), ("draft_length", "γ"), ("tau", "τ"),

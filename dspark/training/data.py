@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 Split = Literal["train", "heldout", "all"]
 OnError = Literal["skip", "raise"]
+#: default share of conversations in the held-out split; a trained drafter's own value is in its checkpoint's
+#: trainer_state.json, and `dspark eval` uses that one
+HELDOUT_FRACTION = 0.02
 
 ROLES = {
     "user": "user", "human": "user",
@@ -102,7 +105,7 @@ def load_conversations(
     source: str,
     *,
     split: Split = "train",
-    heldout_fraction: float = 0.02,
+    heldout_fraction: float = HELDOUT_FRACTION,
     seed: int = 0,
     limit: int | None = None,
     on_error: OnError = "skip",

@@ -59,6 +59,7 @@ class RegenerateConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed, combined with each conversation id"})
     batch_size: int = field(default=16, metadata={"help": "prompts decoded together (and written per batch)"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_length", "max_new_tokens", "batch_size"):
@@ -101,9 +102,9 @@ def completed_ids(path: Path) -> set[str]:
     return done
 
 
-def load_chat_host(name: str, device: str) -> Host:
+def load_chat_host(name: str, device: str, dtype: str = "auto") -> Host:
     """The host for regeneration (dtype "auto": bf16 on CUDA, fp32 elsewhere); it must have a tokenizer."""
-    host = load_host(name, device=device)
+    host = load_host(name, device=device, dtype=dtype)
     if host.tokenizer is None:
         raise ValueError(f"host {name!r} has no tokenizer: regeneration renders chat prompts and decodes text")
     return host
@@ -111,7 +112,7 @@ def load_chat_host(name: str, device: str) -> Host:
 
 def regenerate(cfg: RegenerateConfig, host: Host | None = None) -> Path:
     """Write (or complete) cfg.output with the host's responses to the dataset's prompts; returns its path."""
-    host = host or load_chat_host(cfg.host, cfg.device)
+    host = host or load_chat_host(cfg.host, cfg.device, cfg.dtype)
     tokenizer = host.tokenizer
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)

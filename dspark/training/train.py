@@ -59,15 +59,15 @@ from dspark.engine.host import Host
 from dspark.engine.jsonio import write_json_atomic
 from dspark.engine.models import load_host
 from dspark.engine.runtime import tune_cpu_allocator
-from dspark.training.data import TokenizedChat, collate, load_conversations, pack, tokenize_conversations
+from dspark.training.data import HELDOUT_FRACTION, TokenizedChat, collate, load_conversations, pack, tokenize_conversations
 
 logger = logging.getLogger(__name__)
 
 DRAFTERS = ("dspark", "dflash", "eagle3", "mtp")
 CHECKPOINT_PREFIX = "checkpoint-"
 # settings that fix the data order, the model or the optimisation path: a resumed run must not change them
-_RESUME_FIXED = ("host", "drafter", "drafter_args", "data", "data_limit", "max_length", "seq_len", "batch_size",
-                 "grad_accum", "seed", "lr", "weight_decay", "warmup_ratio", "max_grad_norm")
+_RESUME_FIXED = ("host", "drafter", "drafter_args", "data", "data_limit", "heldout_fraction", "max_length", "seq_len",
+                 "batch_size", "grad_accum", "seed", "lr", "weight_decay", "warmup_ratio", "max_grad_norm")
 
 
 @dataclass
@@ -85,7 +85,9 @@ class TrainConfig:
     data_limit: Optional[int] = field(default=None, metadata={"help": "use at most this many training conversations"})
     on_error: Literal["skip", "raise"] = field(default="skip", metadata={
         "help": "malformed data records: skip them (each logged as file:line) or raise at the first (file:line)"})
-    heldout_fraction: float = field(default=0.02, metadata={"help": "fraction of conversations held out for eval"})
+    heldout_fraction: float = field(default=HELDOUT_FRACTION, metadata={
+        "help": "fraction of conversations held out for eval; kept in every checkpoint (trainer_state.json), where "
+                "`dspark eval` reads it, so eval's held-out prompts are the ones this run never trained on"})
     max_length: int = field(default=2048, metadata={"help": "tokens kept per conversation (ShareGPT chats are long)"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per packed training sequence"})
     batch_size: int = field(default=4, metadata={"help": "packed sequences per process per micro-batch"})
