@@ -109,13 +109,14 @@ def test_regenerate_dtype_flag_reaches_the_host(host_dir, tmp_path, monkeypatch)
     import dspark.training.regenerate as regenerate_module
 
     seen = []
-    real = regenerate_module.load_model_and_tokenizer
+    real = regenerate_module.load_host
 
     def spy(name, *, dtype, device):
-        seen.append(dtype)
-        return real(name, dtype=dtype, device=device)
+        host = real(name, dtype=dtype, device=device)
+        seen.append(next(host.model.parameters()).dtype)
+        return host
 
-    monkeypatch.setattr(regenerate_module, "load_model_and_tokenizer", spy)
+    monkeypatch.setattr(regenerate_module, "load_host", spy)
     data = tmp_path / "chats.jsonl"
     data.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hello"}]}) + "\n")
     out = tmp_path / "regen.jsonl"
