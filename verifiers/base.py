@@ -53,7 +53,7 @@ class Verifier:
     #: False only for the deliberately biased global search kept for the losslessness demonstration
     lossless: bool = True
     #: True when every length is K (or the drafter's own lengths): the decode loop then sizes the verify
-    #: forward as K + 1 without reading the lengths back from the device
+    #: forward as K + 1, or as the drafter's `Proposal.width` + 1, without reading the lengths back from the device
     static_length: bool = False
 
     def begin(self, *, batch_size: int) -> None:
