@@ -128,7 +128,7 @@ def test_profile_with_fake_host():
 def test_profiler_times_the_attention_width_decoding_uses(tiny_host, monkeypatch):
     """The keys a profiled step attends are the keys a decode round attends at the same cache length and width
     (the loop attends a bucketed prefix of its cache, never the whole preallocated cache)."""
-    from dspark.decode import generate
+    from dspark.engine.decode import generate
     from drafters.ngram import NgramDrafter
 
     seen = []  # (cache length, tokens per row, attended keys) of every host step

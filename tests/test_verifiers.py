@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import Proposal
+from dspark.engine.protocol import Proposal
 from verifiers import VERIFIERS, build_verifier
 from verifiers.calibration import STSCalibrator
 from verifiers.cost_model import CostModel, verify_tokens
@@ -122,7 +122,7 @@ def test_scheduler_prices_the_padded_verify_forward():
 def test_priced_tokens_are_the_tokens_the_decode_loop_runs(tiny_host, monkeypatch):
     """Every verify round of a real decode: the host step gets exactly verify_tokens(max ell, R) tokens."""
     from drafters.ngram import NgramDrafter
-    from dspark.decode import generate
+    from dspark.engine.decode import generate
     from tests.conftest import random_prompts
 
     steps = []

@@ -54,14 +54,14 @@ from pathlib import Path
 
 import torch
 
-from verifiers.base import read_versioned_json, write_json_atomic
+from dspark.engine.jsonio import read_versioned_json, write_json_atomic
 
 FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"
 VERSION = 1
 MODES = ("eager", "graph")
 #: cache positions beyond context + T allocated when profiling, so the host's bucketed attention window (a
-#: multiple of 64 positions, dspark.host._bucket) is never cut short by the end of the cache
+#: multiple of 64 positions, dspark.engine.host._bucket) is never cut short by the end of the cache
 ATTEND_SLACK = 64
 
 
@@ -191,7 +191,7 @@ def _sync(device: torch.device) -> None:
 
 def verify_tokens(width: torch.Tensor, requests: int) -> torch.Tensor:
     """Tokens in the verify forward of `requests` rows at verify width(s) `width` (long tensor, any shape): every
-    row carries the anchor plus `width` drafts, padded to the longest row as `dspark.decode` runs it."""
+    row carries the anchor plus `width` drafts, padded to the longest row as `dspark.engine.decode` runs it."""
     return requests * (width + 1)
 
 
@@ -200,7 +200,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
     """Time the decode loop's verify step at every (R, T) of the grid and return the SPS(B = R*T) table.
 
     Each point: a fresh cache of R requests holding `context` positions, random tokens (R, T), `warmup` untimed
-    steps, then the median of `repeats` timed steps. Each step is the call `dspark.decode` makes for a round at
+    steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for a round at
     that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same (bucketed) cache
     prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
     the same context. CUDA is synchronised around each timed step. `mode` records whether the host step is eager

@@ -7,7 +7,7 @@ Notation: c_{r,j} confidence, a_{r,j} = Π_{i<=j} c_{r,i} survival, ell_r verifi
 τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens, SPS(B) host verify steps per second at B tokens
 per forward, Θ = τ*·SPS(B) expected throughput.
 
-What a forward costs: `dspark.decode` runs the verify step on a rectangular (R, L + 1) batch with L = max_r ell_r
+What a forward costs: `dspark.engine.decode` runs the verify step on a rectangular (R, L + 1) batch with L = max_r ell_r
 (every row padded to the longest; the host step has no packed/ragged form), so a round costs
 B = R·(L + 1) tokens (`verify_tokens`), not the Σ_r (1 + ell_r) of a packed forward that DSPARK.md's Algorithm 1
 assumes. Given the width L, positions j <= L of every row are computed anyway, so verifying them is free and only
@@ -31,8 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from drafters.base import Proposal
-from verifiers.base import Verifier
+from dspark.engine.protocol import Proposal, Verifier
 from verifiers.calibration import STSCalibrator, calibrated_confidence
 from verifiers.cost_model import CostModel, verify_tokens
 
