@@ -8,7 +8,7 @@ from pathlib import Path
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Layer, eagle3_feature_layers
 
 ROOT = Path(__file__).resolve().parents[1]
-NEARBY = 15  # lines either side of a claim
+NEARBY = 20  # lines either side of a claim (a bullet or a table and its notes)
 SMOLLM2_LAYERS = 30  # the recorded runs' host, SmolLM2-135M-Instruct
 
 
