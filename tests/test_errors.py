@@ -422,8 +422,8 @@ def test_failed_commands_leave_no_output_files(tmp_path, capsys):
     assert rc == 1 and "is not a dspark.sts version 1 file" in capsys.readouterr().err
     assert not cost.exists() and not (tmp_path / "engine.json").exists()
     rc = main(["profile", *base, "--out", str(cost), "--batch-sizes", "1", "--tokens-per-request", "64",
-               "--context", "8"])
-    assert rc == 1 and "do not fit a cache of 8" in capsys.readouterr().err
+               "--context", "500"])
+    assert rc == 1 and "do not fit the host's context of 512" in capsys.readouterr().err
     assert not cost.exists()
 
 
