@@ -246,5 +246,8 @@ def test_build_verifier_errors(tmp_path):
     cal = tmp_path / "sts.json"
     STSCalibrator(temperatures=[1.5] * K).save(cal)
     assert build_verifier("scheduler", cost_table=path, calibration=cal, positions=K).calibrator.positions == K
-    with pytest.raises(ValueError, match="3 are in use"):
-        build_verifier("scheduler", cost_table=path, calibration=cal, positions=3)
+    assert build_verifier("scheduler", cost_table=path, calibration=cal, positions=3).calibrator.positions == K
+    with pytest.raises(ValueError, match=f"fitted for {K} draft positions, but {K + 2} are in use"):
+        build_verifier("scheduler", cost_table=path, calibration=cal, positions=K + 2)
+    with pytest.raises(ValueError, match=f"fitted for {K} draft positions, but {K + 1} are in use"):
+        build_verifier("threshold", threshold=0.5, calibration=STSCalibrator.load(cal), positions=K + 1)
