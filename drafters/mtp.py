@@ -105,11 +105,11 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         lengths = torch.ones(B, dtype=torch.long, device=tokens.device)
         if state.sampling.greedy:
             tokens[:, 0] = U.argmax(-1)
-            return Proposal(tokens=tokens, lengths=lengths)
+            return Proposal(tokens=tokens, lengths=lengths, width=1)
         q = U.new_zeros(B, K, U.shape[-1])  # (B, K, V)
         q[:, 1:, 0] = 1.0  # padded slots: point mass on their token 0, never verified
         q[:, 0], tokens[:, 0] = state.draw(U, 0)
-        return Proposal(tokens=tokens, q=q, lengths=lengths)
+        return Proposal(tokens=tokens, q=q, lengths=lengths, width=1)
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)

@@ -95,7 +95,8 @@ class ProfileOptions:
                                    metadata={"help": "requests per step to time"})
     tokens_per_request: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={
         "help": "tokens per request per step (1 + verified drafts)"})
-    context: int = field(default=256, metadata={"help": "cache positions per request"})
+    context: int = field(default=256, metadata={
+        "help": "cached positions per request while timing (the step attends that prefix, as decoding does)"})
     repeats: int = field(default=10, metadata={"help": "timed steps per point (median kept)"})
     warmup: int = field(default=3, metadata={"help": "untimed steps per point"})
     engine_json: Optional[str] = field(default=None, metadata={
@@ -356,7 +357,7 @@ def cmd_profile(argv) -> int:
     sts = STSCalibrator.load(p.calibration).temperatures if p.engine_json and p.calibration else None
     host = _host(h)
     cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
-                   warmup=p.warmup, max_len=p.context)
+                   warmup=p.warmup, context=p.context)
     Path(p.out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(p.out)
     cost.to_csv(Path(p.out).with_suffix(".csv"))

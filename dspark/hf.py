@@ -15,8 +15,10 @@ Shapes: B rows of input_ids, P padded prompt length, G generated length (the lon
 
 transformers (>= 5.17) prepares the inputs, the GenerationConfig, its logits processors and stopping criteria,
 then calls the callable in place of its own decoding loop. The callable strips each row's left padding, decodes
-the prompts with dspark.engine.decode.generate (lossless: greedy output is transformers' greedy output token for token,
-sampled output follows the same distribution) and returns what generate() returns: the padded input_ids followed
+the prompts with dspark.engine.decode.generate (lossless: sampled output follows the same distribution; greedy output
+is transformers' greedy output token for token in fp32 only: in bf16 / fp16 the multi-token verify forward rounds
+differently from generate()'s one-token steps, so a near-tie can flip and the continuations part, see the README's
+"Drop into transformers.generate") and returns what generate() returns: the padded input_ids followed
 by the new tokens, rows that finished early padded with pad_token_id (the first eos id when unset, as in
 transformers).
 

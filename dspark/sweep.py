@@ -39,6 +39,13 @@ def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, eval_opts, s
     from matplotlib.figure import Figure  # why here: matplotlib is slow to import and only the report needs it
 
     sampling = SamplingConfig(temperature=decode_opts.temperature, top_k=decode_opts.top_k, top_p=decode_opts.top_p)
+    def verifier_for(gamma: int):
+        return resolve_verifier(host, decode_opts.verifier, draft_length=gamma, drafter_path=decode_opts.drafter_path,
+                                threshold=decode_opts.threshold, cost_table=decode_opts.cost_table,
+                                calibration=decode_opts.calibration)
+
+    for gamma in sweep_opts.draft_lengths:  # a calibration too short for a gamma fails here, before any decoding
+        verifier_for(gamma)
     rows = []
     for B in sweep_opts.batch_sizes:
         prompts = fill_prompts(base, B)
@@ -47,10 +54,8 @@ def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, eval_opts, s
         plain = summarize(generate(host, prompts, **common), draft_length=0)
         rows.append({"batch_size": B, "method": "plain", **plain, "speedup": 1.0})
         for gamma in sweep_opts.draft_lengths:
-            verifier = resolve_verifier(host, decode_opts.verifier, draft_length=gamma,
-                                        drafter_path=decode_opts.drafter_path, threshold=decode_opts.threshold,
-                                        cost_table=decode_opts.cost_table, calibration=decode_opts.calibration)
-            result = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=gamma, **common)
+            result = generate(host, prompts, drafter=drafter, verifier=verifier_for(gamma), draft_length=gamma,
+                              **common)
             m = summarize(result, draft_length=gamma)
             rows.append({"batch_size": B, "method": f"{label}/{decode_opts.verifier}", **m,
                          "speedup": m["tokens_per_s"] / plain["tokens_per_s"]})

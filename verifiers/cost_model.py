@@ -1,7 +1,13 @@
 """SPS(M): host verify steps per second at M tokens per forward, profiled once per host and device (DSPARK.md §4.3).
 
 Shapes: R requests, T tokens per request in one forward, M = total tokens in the forward (DSPARK.md's B; in this
-code B is always requests): R * T when profiling, Σ_r (1 + ell_r) when scheduling.
+code B is always requests), R * T both when
+profiling and when scheduling: the decode loop verifies on a rectangular (R, L + 1) batch, L = max_r ell_r, so a
+round costs `verify_tokens` = R·(L + 1) tokens however the drafts are split between requests.
+
+What is timed is the loop's own verify call: each request holds `context` cached positions and the step attends
+the prefix the loop attends at that length (`host.step(..., attend=context + T)`, bucketed by the host), not the
+whole preallocated cache.
 
 The table is a list of profiled points (M_i, SPS_i) with M_i strictly increasing. Between points SPS is linearly
 interpolated. Below the first point it is clamped to SPS(M_0) (a smaller forward is never assumed faster than the
@@ -20,6 +26,7 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     torch_version              torch.__version__ at profiling time
     batch_sizes                profiled numbers of requests R
     tokens_per_request         profiled tokens per request T
+    context                    cached positions per request while timing (0 in hand-made tables)
     tokens                     M grid (int, strictly increasing)
     sps                        verify steps per second at each M (float > 0)
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
@@ -54,6 +61,9 @@ FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"
 VERSION = 1
 MODES = ("eager", "graph")
+#: cache positions beyond context + T allocated when profiling, so the host's bucketed attention window (a
+#: multiple of 64 positions, dspark.engine.host._bucket) is never cut short by the end of the cache
+ATTEND_SLACK = 64
 
 
 def device_description(device: torch.device | str) -> str:
@@ -78,6 +88,7 @@ class CostModel:
     torch_version: str = ""
     batch_sizes: list[int] = field(default_factory=list)
     tokens_per_request: list[int] = field(default_factory=list)
+    context: int = 0
     points: list[dict] = field(default_factory=list)
     # why: a per-device copy of the grid, so calling the model on a CUDA tensor in the hot path does not copy
     # (and synchronise) every round
@@ -179,25 +190,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repeats: int = 10, warmup: int = 3,
-            max_len: int = 1024, mode: str = "eager", seed: int = 0) -> CostModel:
-    """Time `host.step` at every (R, T) of the grid and return the SPS(M = R*T) table.
+def verify_tokens(width: torch.Tensor, requests: int) -> torch.Tensor:
+    """Tokens in the verify forward of `requests` rows at verify width(s) `width` (long tensor, any shape): every
+    row carries the anchor plus `width` drafts, padded to the longest row as `dspark.engine.decode` runs it."""
+    return requests * (width + 1)
 
-    Each point: a fresh cache of R requests and `max_len` positions, random tokens (R, T), `warmup` untimed steps,
-    then the median of `repeats` timed steps. The cache is not advanced (steps overwrite the same positions), so
-    every repeat sees the same attention context. CUDA is synchronised around each timed step. `mode` records
-    whether the host step is eager or graph-captured; it is metadata, the host decides how it runs.
+
+def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], context: int = 256, repeats: int = 10,
+            warmup: int = 3, mode: str = "eager", seed: int = 0) -> CostModel:
+    """Time the decode loop's verify step at every (R, T) of the grid and return the SPS(M = R*T) table.
+
+    Each point: a fresh cache of R requests holding `context` positions, random tokens (R, T), `warmup` untimed
+    steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for a round at
+    that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same (bucketed) cache
+    prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
+    the same context. CUDA is synchronised around each timed step. `mode` records whether the host step is eager
+    or graph-captured; it is metadata, the host decides how it runs.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    if max(tokens_per_request) > max_len:
-        raise ValueError(f"tokens_per_request up to {max(tokens_per_request)} do not fit a cache of {max_len}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0 (cached positions per request), got {context!r}")
+    max_context = getattr(host, "max_context", None)
+    if max_context is not None and context + max(tokens_per_request) > max_context:
+        raise ValueError(f"context {context} + tokens_per_request up to {max(tokens_per_request)} do not fit the "
+                         f"host's context of {max_context}")
     device = torch.device(host.device)
     g = torch.Generator().manual_seed(seed)
     points = []
     for R in batch_sizes:
         for T in tokens_per_request:
-            cache = host.new_cache(R, max_len)
+            # why the slack: the host rounds `attend` up to its bucket; the cache must be at least that long, as
+            # the loop's (prompt + max_new_tokens + K + 2 positions) is
+            cache = host.new_cache(R, context + T + ATTEND_SLACK)
+            cache.advance(torch.full((R,), context, dtype=torch.long, device=device))
             tokens = torch.randint(host.vocab_size, (R, T), generator=g).to(device)  # (R, T)
             n_valid = torch.full((R,), T, dtype=torch.long, device=device)  # (R,)
             seconds = []
@@ -205,7 +231,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repe
                 for i in range(warmup + repeats):
                     _sync(device)
                     t0 = time.perf_counter()
-                    host.step(cache, tokens, n_valid)
+                    host.step(cache, tokens, n_valid, attend=context + T)
                     _sync(device)
                     if i >= warmup:
                         seconds.append(time.perf_counter() - t0)
@@ -219,7 +245,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repe
                                  host=host.name, device=device_description(device), dtype=str(host.dtype),
                                  mode=mode, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                  torch_version=torch.__version__, batch_sizes=list(batch_sizes),
-                                 tokens_per_request=list(tokens_per_request), points=points)
+                                 tokens_per_request=list(tokens_per_request), context=context, points=points)
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:
