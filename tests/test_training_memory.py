@@ -18,7 +18,7 @@ from drafters.base import TrainBatch
 from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config, sample_anchors
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
-from dspark.host import Host
+from dspark.engine.host import Host
 
 B, T, V = 2, 48, 4096
 
