@@ -276,3 +276,32 @@ def test_smollm2_sharegpt_smoke(tmp_path):
     print(f"SmolLM2 smoke: {time.perf_counter() - started:.0f} s, loss {train_loss[0]:.3f} -> {train_loss[-1]:.3f}")
     assert sum(train_loss[-5:]) / 5 < sum(train_loss[:5]) / 5
     assert path.name == "checkpoint-00000030"
+
+
+def test_default_run_on_cpu_tokenises_only_what_it_trains_on_at_cpu_sizes(tmp_path, monkeypatch):
+    """Issue 19 item 10: `dspark train --max-steps N` with no size flags and no GPU takes the CPU-sized defaults and
+    tokenises only the conversations of the rows its N steps consume (it used to tokenise all of ShareGPT)."""
+    import dspark.training.data as data_module
+
+    data = write_conversations(tmp_path / "chats.jsonl", 300)
+    tokenised = []
+    real = data_module.tokenize_chat
+    monkeypatch.setattr(data_module, "tokenize_chat", lambda *a, **k: tokenised.append(1) or real(*a, **k))
+    cfg = TrainConfig(output=str(tmp_path / "run"), host="tiny-chat", drafter="dspark",
+                      drafter_args=dict(num_layers=1, gamma=4, rank=16, num_feature_layers=2), data=data,
+                      max_steps=2, eval_every=0)
+    path = train(cfg, host=chat_host())
+    n_tokenised = len(tokenised)
+    saved = json.loads((path / "trainer_state.json").read_text())
+    assert (saved["config"]["seq_len"], saved["config"]["max_length"], saved["config"]["batch_size"]) == (384, 384, 2)
+    assert saved["config"]["drafter_args"]["max_anchors"] == 40
+    assert saved["train_rows"] == 2 * 2  # max_steps x batch_size rows, one epoch
+    resolved = train_module.resolve_sizes(cfg, torch.device("cpu"))
+    rows = train_module.build_rows(resolved, chat_host(), split="train", limit=None)
+    print(f"tokenised {n_tokenised} of {len(tokenised) - n_tokenised} training conversations for 4 of {len(rows)} rows")
+    assert n_tokenised < len(rows)  # a few short chats a 384-token row, 4 rows (+1 chat that would start the 5th)
+    # the rows read are the first rows of the full packing
+    assert [r.input_ids for r in rows[:4]] == [r.input_ids for r in train_module.build_rows(
+        resolved, chat_host(), split="train", limit=None, max_rows=4)]
+    gpu = train_module.resolve_sizes(cfg, torch.device("cuda"))  # only the device's type is read: no GPU needed
+    assert (gpu.seq_len, gpu.max_length, gpu.batch_size, gpu.drafter_args.get("max_anchors")) == (2048, 2048, 4, None)
