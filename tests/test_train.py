@@ -305,3 +305,24 @@ def test_default_run_on_cpu_tokenises_only_what_it_trains_on_at_cpu_sizes(tmp_pa
         resolved, chat_host(), split="train", limit=None, max_rows=4)]
     gpu = train_module.resolve_sizes(cfg, torch.device("cuda"))  # only the device's type is read: no GPU needed
     assert (gpu.seq_len, gpu.max_length, gpu.batch_size, gpu.drafter_args.get("max_anchors")) == (2048, 2048, 4, None)
+
+
+def test_a_step_too_large_for_the_memory_stops_at_once_naming_the_flags(tmp_path, monkeypatch):
+    """Issue 19 item 10: rather than being killed by the kernel mid-step, a run whose step cannot fit stops before
+    the first step with a message naming the flags that lower it (here: a machine with 64 MiB available)."""
+    monkeypatch.setattr(train_module, "available_memory", lambda device: 64 * 2**20)
+    tokenised = []
+    monkeypatch.setattr(train_module, "build_rows", lambda *a, **k: tokenised.append(1))
+    for drafter, knob in (("dspark", "max_anchors"), ("eagle3", "ttt_length")):
+        with pytest.raises(MemoryError, match=rf"needs at least .* GiB but only 0.1 GiB .*--batch-size, --seq-len, "
+                                              rf"--drafter-args {knob}=N"):
+            train(synthetic_config(tmp_path / drafter, drafter=drafter, drafter_args=SMALL[drafter], seq_len=2048,
+                                   batch_size=4))
+    assert not tokenised  # it stopped before reading any data
+    cfg = synthetic_config(tmp_path / "fits", drafter="eagle3", drafter_args=SMALL["eagle3"], seq_len=128)
+    host = train_module.load_host(cfg.host, device=torch.device("cpu"), dtype=torch.float32)
+    drafter = build_drafter("eagle3", host, **SMALL["eagle3"])
+    small = train_module.step_memory(cfg, host, drafter, element_size=4, sparse=False)
+    large = train_module.step_memory(train_module.replace(cfg, seq_len=2048), host, drafter, element_size=4,
+                                     sparse=False)
+    assert small < 64 * 2**20 < large  # the same drafter at 128 tokens a row fits the 64 MiB

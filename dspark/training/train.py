@@ -149,6 +149,53 @@ def rows_needed(cfg: TrainConfig, world: int) -> int | None:
     return None if cfg.max_steps is None else cfg.max_steps * cfg.grad_accum * cfg.batch_size * world
 
 
+def step_memory(cfg: TrainConfig, host: Host, drafter, *, element_size: int, sparse: bool) -> int:
+    """Bytes of the largest tensors one training step holds at once: a lower estimate (activations only; weights and
+    optimizer state are already allocated when it is taken). B rows of T tokens, V vocabulary, N attention heads:
+    the host's logits (B, T, V) float32 for the whole step and one host layer's attention scores (B, N, T, T); one
+    chunk of the vocabulary-sized loss (drafters/losses.py); DSpark / DFlash with the dense block mask: each backbone
+    layer's attention probabilities over A*gamma block queries x (T + A*gamma) keys, kept for backward; EAGLE-3: each
+    unrolled step's (B, N, T, T + j) scores and probabilities."""
+    from drafters.losses import LOSS_CHUNK_ELEMENTS
+
+    B, T, N, V = cfg.batch_size, cfg.seq_len, host.num_heads, host.vocab_size
+    total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(LOSS_CHUNK_ELEMENTS, B * T * V) * 4
+    config = getattr(drafter, "config", None)
+    if drafter.kind == "dspark" and not sparse:
+        slots = min(config.max_anchors, T) * config.gamma
+        total += (config.num_layers + 1) * B * N * slots * (T + slots) * element_size
+    elif drafter.kind == "eagle3":
+        total += sum(2 * B * N * T * (T + j) * element_size for j in range(config.ttt_length))
+    return total
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a step can still allocate: free GPU memory, or the host's available memory (psutil, which accelerate
+    depends on)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_step_memory(cfg: TrainConfig, host: Host, drafter, device: torch.device, *, element_size: int) -> None:
+    """Stop before the first step, with the flags that lower it, when `step_memory` exceeds what is available: a
+    step past it is killed by the kernel with no message (issue 19) or fails with CUDA out of memory."""
+    sparse = device.type == "cuda" and cfg.sparse_attention and element_size == 2
+    need, have = step_memory(cfg, host, drafter, element_size=element_size, sparse=sparse), available_memory(device)
+    if need <= have:
+        return
+    knobs = ["--batch-size", "--seq-len"]
+    if drafter.kind == "dspark":
+        knobs.append("--drafter-args max_anchors=N")
+    elif drafter.kind == "eagle3":
+        knobs.append("--drafter-args ttt_length=N")
+    raise MemoryError(f"a training step needs at least {need / 2**30:.1f} GiB but only {have / 2**30:.1f} GiB "
+                      f"{'of GPU memory is free' if device.type == 'cuda' else 'of memory is available'} "
+                      f"at batch_size={cfg.batch_size}, seq_len={cfg.seq_len}; lower it with {', '.join(knobs)}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Data
 
@@ -511,6 +558,7 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
         raise TypeError(f"trainable drafter parameters must be float32 master weights, not {bad[:3]}...")
     taps = tuple(drafter.feature_layers)
     host.check_taps(taps)
+    check_step_memory(cfg, host, drafter, device, element_size=2 if use_bf16 else 4)
     pad_token_id = 0
     if host.tokenizer is not None:
         pad_token_id = host.tokenizer.pad_token_id if host.tokenizer.pad_token_id is not None else \
