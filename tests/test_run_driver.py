@@ -87,18 +87,21 @@ def test_a_restart_that_dies_the_same_way_stops_with_the_cause(driver):
     assert len(recorded) == 2 and module.same_failure(*recorded) and recorded[0] != recorded[1]
 
 
-def test_failure_causes():
-    from importlib import util
-
-    spec = util.spec_from_file_location("h200_causes", ROOT / "experiments/runs/smollm2_h200.py")
-    module = util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_failure_causes(driver):
+    module = driver[0]
     assert module.failure_cause("step 3\nTraceback (most recent call last):\n  File x\nValueError: bad row\n") == \
         "ValueError: bad row"
     assert "no Python error" in module.failure_cause("train dspark: 10%|#  | 2/20\n")
     assert not module.same_failure("torch.OutOfMemoryError: CUDA out of memory", "ValueError: bad row")
-    share_cmd = util.module_from_spec(spec)
-    spec.loader.exec_module(share_cmd)
-    cmd = share_cmd._train_command("eagle3", ["ttt_length=7"], 0.317)
-    assert "torch.cuda.set_per_process_memory_fraction(0.317)" in cmd[2] and cmd[-2:] == ["--drafter-args",
-                                                                                       "ttt_length=7"]
+
+
+def test_side_by_side_caps_each_process_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    spec = importlib.util.spec_from_file_location("smollm2_h200_share", ROOT / "experiments/runs/smollm2_h200.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cmd = module._train_command("eagle3", ["ttt_length=7"], 0.317)
+    assert "torch.cuda.set_per_process_memory_fraction(0.317)" in cmd[2]
+    assert cmd[-2:] == ["--drafter-args", "ttt_length=7"]
+    assert module._train_command("eagle3", [], None)[1:3] == ["-m", "dspark.training.train"]
