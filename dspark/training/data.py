@@ -351,18 +351,11 @@ def tokenize_chat(
     return TokenizedChat(input_ids, loss_mask)
 
 
-def tokenize_conversations(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], *, max_length: int
-) -> list[TokenizedChat]:
-    """`tokenize_chat` over many conversations (ShareGPT with SmolLM2: ~15 ms a chat here, mostly the tokenizer)."""
-    return list(iter_tokenized(tokenizer, conversations, max_length=max_length))
-
-
 def iter_tokenized(
     tokenizer: PreTrainedTokenizerBase, conversations: Iterable[Conversation], *, max_length: int
 ) -> Iterator[TokenizedChat]:
-    """`tokenize_chat` of each conversation, one at a time: a consumer that stops early (`pack` with max_rows)
-    tokenises only what it uses."""
+    """`tokenize_chat` of each conversation, one at a time (ShareGPT with SmolLM2: ~15 ms a chat here, mostly the
+    tokenizer): a consumer that stops early (`pack` with max_rows) tokenises only what it uses."""
     total = len(conversations) if isinstance(conversations, Sized) else None
     for c in tqdm(conversations, desc="tokenising", unit="chat", total=total):
         yield tokenize_chat(tokenizer, c.messages, max_length=max_length)
