@@ -139,14 +139,15 @@ def build_policy(host, policy: str, *, draft_length: int, path: str | None, thre
 
 
 def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths: list[int], out_dir: Path):
-    """The SPS(B) table: loaded from `path`, else profiled now on this host (saved as OUT_DIR/cost.json)."""
+    """The SPS(M) table: loaded from `path`, else profiled now on this host (saved as OUT_DIR/cost.json), timed at a
+    short cached context as these smoke-sized runs decode."""
     from verifiers.cost_model import CostModel, profile
 
     if path:
         return CostModel.load(path, expect_host=host.name, expect_device=host.device)
     tokens = sorted({1, 2, 4, 8} | {g + 1 for g in draft_lengths})
     cost = profile(host, batch_sizes=sorted(set(concurrency)), tokens_per_request=tokens, repeats=3, warmup=1,
-                   max_len=64)
+                   context=32)
     out_dir.mkdir(parents=True, exist_ok=True)
     cost.save(out_dir / "cost.json")
     return cost
