@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from dspark.engine import models
+from dspark.engine import models, packaged_hosts
 from dspark.engine.models import (
     SUPPORTED_MODEL_TYPES,
     check_supported,
@@ -176,7 +176,7 @@ def test_smollm2_from_a_gguf_file_without_the_package(tmp_path, monkeypatch):
     """A machine that cannot install the wheel (the staged GPU machine) names the copied GGUF instead."""
     gguf = tmp_path / "staged" / "smollm2.gguf"
     gguf.parent.mkdir()
-    shutil.copy(models._smollm2_gguf(), gguf)
+    shutil.copy(packaged_hosts.part_files("smollm2")[0], gguf)
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("DSPARK_SMOLLM2_GGUF", str(gguf))
     real_find_spec = importlib.util.find_spec
@@ -224,10 +224,10 @@ def test_smollm2_converts_once_then_loads_the_safetensors_cache(tmp_path, monkey
         expected = model(ids).logits  # (1, T, V)
     del model
 
-    def no_conversion(target):
+    def no_conversion(gguf, target):
         raise AssertionError("the second load must read the safetensors cache, not the GGUF")
 
-    monkeypatch.setattr(models, "_convert_smollm2_gguf", no_conversion)
+    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
     start = time.perf_counter()
     cached, cached_tokenizer = load_model_and_tokenizer("smollm2")
     assert time.perf_counter() - start < 15  # ~1 s measured; generous for a shared CPU
