@@ -24,7 +24,9 @@ from dspark.config import ConfigError, parse
 
 @dataclass
 class HostOptions:
-    host: str = field(default="smollm2", metadata={"help": "host: smollm2, random:<shape>, a directory or a cached hub id"})
+    host: str = field(default="smollm2", metadata={
+        "help": "host: smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, a .gguf file, random:<shape>, a directory or a "
+                "cached hub id"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
     deterministic: bool = field(default=False, metadata={
@@ -37,7 +39,9 @@ class DecodeOptions:
     drafter: str = field(default="none", metadata={
         "help": "none (plain decoding), ngram, dspark, dflash, mtp, eagle3, small-lm; with --drafter-path the "
                 "checkpoint's weights, without it random weights (a warning)"})
-    drafter_path: Optional[str] = field(default=None, metadata={"help": "a save_pretrained drafter directory"})
+    drafter_path: Optional[str] = field(default=None, metadata={
+        "help": "a save_pretrained drafter directory; with --drafter small-lm, the small LM named like a host "
+                "(e.g. qwen2.5-coder-0.5b)"})
     verifier: Literal["full", "threshold", "scheduler", "lagged"] = field(default="full", metadata={
         "help": "how many drafts each request verifies per round"})
     threshold: Optional[float] = field(default=None, metadata={"help": "confidence threshold (--verifier threshold)"})

@@ -114,6 +114,13 @@ def test_dtype_is_respected():
         ("random:smollm2", "LlamaForCausalLM", 0.1345,
          dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
               intermediate_size=1536, vocab_size=49152)),
+        # 0.630 B is the converted qwen2.5-coder-0.5b's count, parameter for parameter (630,167,424)
+        ("random:qwen2.5-coder-1.5b", "Qwen2ForCausalLM", 1.777,
+         dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+              intermediate_size=8960, vocab_size=151936)),
+        ("random:qwen2.5-coder-0.5b", "Qwen2ForCausalLM", 0.6302,
+         dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=4864, vocab_size=151936)),
     ],
 )
 def test_realistic_shapes_on_meta(spec, cls, params_billions, fields):

@@ -157,3 +157,24 @@ def test_real_gguf_split_into_parts_loads_like_the_whole(tmp_path, monkeypatch, 
     ids = torch.tensor([tokenizer("def add(a, b):", add_special_tokens=False).input_ids])  # (1, T)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, smollm2_host.model(ids).logits)
+
+
+def test_local_gguf_file_is_cached_by_content(fake, tmp_path, monkeypatch):
+    """`--host path/to/x.gguf`: cached under gguf-<sha256 prefix>, or under the packaged host's name when it is
+    that host's file (so the two share one conversion)."""
+    targets = []
+
+    def convert(gguf, target):
+        targets.append(target.name)
+        return torch.nn.Linear(1, 1), None
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"not the fake host")
+    same = tmp_path / "same.gguf"
+    same.write_bytes(fake)
+    load_model_and_tokenizer(str(other))
+    load_model_and_tokenizer(str(same))
+    assert targets == ["gguf-" + hashlib.sha256(b"not the fake host").hexdigest()[:16], "fake"]
+    with pytest.raises(FileNotFoundError, match="names no .gguf file"):
+        load_model_and_tokenizer(str(tmp_path / "missing.gguf"))

@@ -68,6 +68,15 @@ _SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
     rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
 )
+_QWEN_CODER_1_5B = dict(  # Qwen2.5-Coder-1.5B-Instruct as converted from its GGUF (untied output matrix)
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+    tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+)
+_QWEN_CODER_0_5B = dict(  # Qwen2.5-Coder-0.5B-Instruct as converted from its GGUF (untied output matrix)
+    _QWEN_CODER_1_5B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+)
 # why eos None on the tiny shapes: random weights have no natural end of sequence, and an eos id drawn by
 # chance would cut test decodes short at random; tests bound length with max_new_tokens instead.
 _TINY = dict(
@@ -88,6 +97,8 @@ RANDOM_SHAPES: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "llama-8b": (LlamaConfig, _LLAMA_8B),
     "qwen3-4b": (Qwen3Config, _QWEN3_4B),
     "smollm2": (LlamaConfig, _SMOLLM2_135M),
+    "qwen2.5-coder-1.5b": (Qwen2Config, _QWEN_CODER_1_5B),
+    "qwen2.5-coder-0.5b": (Qwen2Config, _QWEN_CODER_0_5B),
     "tiny-llama": (LlamaConfig, _TINY),
     "tiny-qwen3": (Qwen3Config, _TINY),  # q_norm / k_norm on every attention layer
     "tiny-qwen2": (Qwen2Config, _TINY),  # q/k/v projections with bias
@@ -239,9 +250,9 @@ def _hub_snapshot(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError) as error:
         raise ValueError(
-            f"{repo_id!r} is neither a packaged host ({', '.join(PACKAGED_HOSTS)}), 'random:<shape>', a .gguf file, "
-            "a local directory, nor a hub id in the local "
-            f"HF cache (the toolkit never downloads; fetch it first with `hf download {repo_id}`): {error}"
+            f"{repo_id!r} is neither a packaged host ({', '.join(PACKAGED_HOSTS)}), 'random:<shape>', a .gguf "
+            f"file, a local directory, nor a hub id in the local HF cache (the toolkit never downloads; fetch it "
+            f"first with `hf download {repo_id}`): {error}"
         ) from error
 
 
