@@ -231,7 +231,7 @@ def test_smollm2_converts_once_then_loads_the_safetensors_cache(tmp_path, monkey
         expected = model(ids).logits  # (1, T, V)
     del model
 
-    def no_conversion(gguf, target):
+    def no_conversion(gguf, target, **options):
         raise AssertionError("the second load must read the safetensors cache, not the GGUF")
 
     monkeypatch.setattr(models, "_convert_gguf", no_conversion)

