@@ -10,6 +10,7 @@ import os
 import warnings
 from typing import Callable
 
+from drafters import deepspec as _deepspec  # noqa: F401  registers the reference's checkpoint layout
 from drafters.checkpoint import CheckpointError, read_config
 from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter

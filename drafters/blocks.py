@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers.activations import ACT2FN
 
+from dspark.engine.host import rope
 from dspark.engine.kv_cache import KVCache
 
 
@@ -102,13 +103,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, D) by cos/sin (B, T, D) of its absolute positions."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -217,16 +211,6 @@ def inference_mask(context_len: torch.Tensor, *, width: int, block: int, dtype: 
     ctx_ok = (key_pos < context_len.unsqueeze(1)).unsqueeze(1).expand(B, block, width)  # (B, S, W)
     blk_ok = torch.ones(B, block, block, dtype=torch.bool, device=context_len.device)  # (B, S, S)
     return additive_mask(torch.cat([ctx_ok, blk_ok], dim=-1), dtype)
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) position of each token inside its document (packed documents restart at 0), as Host.forward."""
-    B, T = document_ids.shape
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    index = torch.arange(T, device=document_ids.device).expand(B, T)
-    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
-    return index - first  # (B, T)
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # torch.compile's GPU backend

@@ -6,6 +6,8 @@ Layout of a checkpoint directory (never pickle):
                                     feature_layers, name)}
   model.safetensors                the drafter's state_dict, or, when larger than `max_shard_bytes`,
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata", "weight_map"}, the HF layout).
+A DeepSpec-format directory (the reference implementation's layout, docs/DEEPSPEC.md) is read too: `read_config`
+translates its config.json and `from_pretrained` renames its weights (drafters/deepspec.py).
 The shared frozen host embedding and LM head are not in the state_dict (drafters hold them in a
 `drafters.blocks.SharedHost`), so they are never saved.
 
@@ -27,12 +29,14 @@ import shutil
 import uuid
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.blocks import SharedHost
+from dspark.engine.models import PICKLE_PATTERNS  # the one list: weight files that are pickles, never loaded
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -44,9 +48,6 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, or made for another host or architecture."""
 
-
-#: weight files that are pickles (torch.save); never loaded, since unpickling can run arbitrary code
-PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
 
 
 def _pickle_note(directory: Path) -> str:
@@ -172,6 +173,21 @@ def save_pretrained(drafter, directory: str | os.PathLike, *,
     return directory
 
 
+@dataclass(frozen=True)
+class ForeignLayout:
+    """How to read a checkpoint written by another project: `detect(config.json)`; `to_config` gives our config
+    dict, keeping the raw config under the layout's name; `to_tensors` renames its weights to ours.
+    why a registry: the layout modules build on this one (its errors, its weight writer), so this module must not
+    import them; each registers itself when the drafters package is imported."""
+
+    detect: Callable[[dict], bool]
+    to_config: Callable[..., dict]
+    to_tensors: Callable[..., dict]
+
+
+FOREIGN_LAYOUTS: dict[str, ForeignLayout] = {}
+
+
 def read_config(directory: str | os.PathLike) -> dict:
     """Parse and validate config.json of a checkpoint directory."""
     directory = Path(directory)
@@ -185,6 +201,9 @@ def read_config(directory: str | os.PathLike) -> dict:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot parse {path}: {e}") from e
+    for layout in FOREIGN_LAYOUTS.values():  # another project's layout, e.g. the reference's (docs/DEEPSPEC.md)
+        if isinstance(config, dict) and layout.detect(config):
+            return layout.to_config(config, source=str(path))
     missing = [k for k in ("format_version", "kind", "config", "host") if k not in config]
     if missing:
         raise CheckpointError(f"{path} is not a drafter config: missing keys {missing}")
@@ -246,6 +265,9 @@ def from_pretrained(cls, directory: str | os.PathLike, host, **expected):
     check_host(fingerprint, host, source=source)
     drafter = cls(host, config)
     tensors = _read_weights(directory)
+    for name, layout in FOREIGN_LAYOUTS.items():  # its names -> ours (and any frozen copies checked against the host)
+        if name in saved:
+            tensors = layout.to_tensors(drafter, tensors, saved[name], host, source=source)
     own = drafter.state_dict()
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:

@@ -11,8 +11,10 @@ the backbone ONCE, attending to the context K/V of positions < anchor; then a ch
 x_k ~ q_k(· | x0, x<k) left to right through the head, B_k depending on x_{k-1} (and, for the RNN head, a state).
 
 Design choices:
-  - The mask slots use one learned embedding (initialised to the mean host token embedding): no host has a
-    spare token id to reserve, and the slot needs no meaning beyond "unknown token here".
+  - The mask slots use one learned embedding (initialised to the mean host token embedding): not every host has a
+    spare token id to reserve, and the slot needs no meaning beyond "unknown token here". With `mask_token_id` set
+    they are instead the host's frozen embedding of that token, as DeepSpec does (docs/DEEPSPEC.md): serving
+    engines that embed the block with the target's own embedding then draft exactly as here.
   - The backbone always runs the trained block of gamma slots (the block attends bidirectionally, so its hidden
     states depend on the number of slots) and the head drafts the first K; K > gamma is refused, since positions
     past gamma were never trained.
@@ -29,13 +31,13 @@ import torch
 import torch.nn as nn
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context,
-                             document_positions, inference_mask, sparse_training_attention)
+from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context, inference_mask,
+                             sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
+from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -54,7 +56,7 @@ def spread_layers(num_layers: int, m: int) -> tuple[int, ...]:
 class DSparkConfig(HostFields):
     """DSpark / DFlash drafter settings. The backbone layers copy the host's layer shape."""
 
-    feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(L, m)
+    feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(NL, m)
     num_feature_layers: int = 5  # m, used when feature_layers is None
     num_layers: int = 3  # N backbone layers
     gamma: int = 7  # block size: slots trained per block; inference drafts K <= gamma of them
@@ -66,6 +68,9 @@ class DSparkConfig(HostFields):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
+    # None: a learned mask embedding; a token id: the host's frozen embedding of that token (DeepSpec's way; on Qwen3
+    # 151669, the first row past the tokenizer), which engines that borrow the target's embedding reproduce
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -120,7 +125,10 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         H, V, r, m = host.hidden_size, host.vocab_size, config.rank, len(config.feature_layers)
         self.fc = nn.Linear(m * H, H, bias=False)
         self.context_norm = RMSNorm(H, shape.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(host.embed_tokens.weight.detach().float().mean(0).clone())  # (H,)
+        if config.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(host.embed_tokens.weight.detach().float().mean(0).clone())  # (H,)
+        elif not 0 <= config.mask_token_id < V:
+            raise ValueError(f"mask_token_id {config.mask_token_id} is outside the host's vocabulary (0..{V - 1})")
         self.backbone = InjectionStack(shape, config.num_layers)
         if config.head != "none":
             self.W1 = nn.Embedding(V, r)
@@ -169,7 +177,10 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[embed(x0), mask, ..., mask] for anchors (...,): (..., gamma, H)."""
         x0 = self.shared.embed(anchor_tokens, self.dtype).unsqueeze(-2)  # (..., 1, H)
-        masks = self.mask_embedding.expand(x0.shape[:-2] + (self.config.gamma - 1, x0.shape[-1]))
+        mask_id = self.config.mask_token_id
+        mask = (self.mask_embedding if mask_id is None
+                else self.shared.embed(torch.tensor(mask_id, device=x0.device), self.dtype))  # (H,)
+        masks = mask.expand(x0.shape[:-2] + (self.config.gamma - 1, x0.shape[-1]))
         return torch.cat([x0, masks], dim=-2)
 
     # ---- decoding -------------------------------------------------------------------------------------------
@@ -216,8 +227,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
             if greedy:
                 prev = logits.argmax(-1)
             else:
-                q[:, k] = process(logits, state.sampling)
-                prev = sample(q[:, k], state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)  # fresh noise per round
+                q[:, k], prev = state.draw(logits, k)
             tokens[:, k] = prev
             if c is not None:
                 c[:, k] = torch.sigmoid(step.conf_logit.float())

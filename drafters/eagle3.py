@@ -36,18 +36,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import MLP, LayerShape, RMSNorm, document_positions, rope
+from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import per_position_mean, weighted_mean
+from dspark.engine.host import document_positions, rope
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low/mid/high taps: outputs of host layers 1, L//2 - 1 and L - 4 (the original code captures the
-    inputs of layers 2, L//2 and L - 3). Hosts too shallow for three distinct such layers get three evenly spread
-    ones (fewer when L < 3)."""
+    """EAGLE-3's low/mid/high taps: outputs of host layers 1, NL//2 - 1 and NL - 4 of NL (the original code captures
+    the inputs of layers 2, NL//2 and NL - 3). Hosts too shallow for three distinct such layers get three evenly
+    spread ones (fewer when NL < 3)."""
     layers = (1, num_layers // 2 - 1, num_layers - 4)
     if layers[0] < layers[1] < layers[2]:
         return layers
@@ -61,7 +61,7 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
 class Eagle3Config(HostFields):
     """EAGLE-3 drafter settings. The layer's shape (H, heads, MLP width, norms, RoPE) is the host's."""
 
-    feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(L)
+    feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(NL)
     ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to gamma)
     step_decay: float = 0.8  # weight of unrolled step j is step_decay**j
 
@@ -191,11 +191,8 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
                 position = position + 1
                 g = self._cached_step(g.unsqueeze(1), tokens[-1].unsqueeze(1), position.unsqueeze(1))[:, 0]
             logits = self._logits(g)  # (B, V)
-            q = process(logits, state.sampling)  # (B, V): the exact distribution x_{k+1} is drawn from
-            if state.sampling.greedy:
-                tokens.append(logits.argmax(-1))
-            else:
-                tokens.append(sample(q, state.seeds, state.rounds * 1024 + k, STREAM_DRAFT))  # fresh noise per round
+            q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
+            tokens.append(token)
             qs.append(q)
         return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1))  # (B, K), (B, K, V)
 

@@ -20,20 +20,19 @@ import torch
 import torch.nn as nn
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask,
-                             document_positions, inference_mask)
+from drafters.blocks import InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask, inference_mask
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import distill_terms, per_position_mean, weighted_mean
+from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 @dataclass
 class MTPConfig(HostFields):
     """MTP-1 settings. The decoder layer copies the host's layer shape."""
 
-    feature_layers: tuple[int, ...] | None = None  # host layers fed as f_i; None = (L - 1,), the last layer
+    feature_layers: tuple[int, ...] | None = None  # host layers fed as f_i; None = (NL - 1,), the last layer
     ce_weight: float = 0.1
     tv_weight: float = 0.9
 
@@ -106,12 +105,11 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         lengths = torch.ones(B, dtype=torch.long, device=tokens.device)
         if state.sampling.greedy:
             tokens[:, 0] = U.argmax(-1)
-            return Proposal(tokens=tokens, lengths=lengths)
+            return Proposal(tokens=tokens, lengths=lengths, width=1)
         q = U.new_zeros(B, K, U.shape[-1])  # (B, K, V)
         q[:, 1:, 0] = 1.0  # padded slots: point mass on their token 0, never verified
-        q[:, 0] = process(U, state.sampling)
-        tokens[:, 0] = sample(q[:, 0], state.seeds, state.rounds * 1024, STREAM_DRAFT)
-        return Proposal(tokens=tokens, q=q, lengths=lengths)
+        q[:, 0], tokens[:, 0] = state.draw(U, 0)
+        return Proposal(tokens=tokens, q=q, lengths=lengths, width=1)
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)

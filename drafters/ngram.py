@@ -31,7 +31,7 @@ class NgramDrafter(Drafter):
             tokens[b, : len(found)] = torch.tensor(found, dtype=torch.long)
             lengths[b] = len(found)
         device = state.seq.device
-        return Proposal(tokens=tokens.to(device), lengths=lengths.to(device))
+        return Proposal(tokens=tokens.to(device), lengths=lengths.to(device), width=int(lengths.max()) if B else 0)
 
     def _lookup(self, ids: list[int], K: int) -> list[int]:
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):

@@ -19,7 +19,6 @@ import torch
 from dspark.engine.host import Host
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 def check_same_tokenizer(tokenizer, host, *, source: str) -> None:
@@ -91,11 +90,7 @@ class SmallLMDrafter(Drafter):
         tokens, qs = [], []
         for k in range(K):
             logits = self.lm.logits(h)  # (B, V)
-            q = process(logits, state.sampling)  # (B, V): the exact distribution x_{k+1} is drawn from
-            if state.sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                token = sample(q, state.seeds, state.rounds * 1024 + k, STREAM_DRAFT)  # fresh noise per round
+            q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
             tokens.append(token)
             qs.append(q)
             if k < K - 1:  # x_K is never fed this round: the host decides it first

@@ -14,90 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from dspark.engine.decode import GenerationResult
 from dspark.engine.decode import generate as decode_generate
 from dspark.engine.host import Host
+from dspark.engine.models import load_host, resolve_device, resolve_dtype  # noqa: F401 (public API)
+from dspark.engine.runtime import set_deterministic, tune_cpu_allocator  # noqa: F401 (public API)
 from dspark.engine.sampling import SamplingConfig
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" is the first CUDA device when there is one, else the CPU."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" is bf16 on CUDA and fp32 elsewhere (fp32 is what the losslessness tests use)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def set_deterministic(enabled: bool = True) -> None:
-    """Deterministic mode (docs/RELIABILITY.md): the same inputs, seeds, batch composition, device and software
-    give bitwise-identical outputs, and an op without a deterministic kernel raises instead of varying.
-
-    Sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless already set; cuBLAS reads it when CUDA starts, so call this
-    before the host is loaded), torch.use_deterministic_algorithms, cudnn deterministic without autotuning, and
-    turns TF32 off (fp32 matmuls and convolutions in full precision). `enabled=False` restores torch's defaults.
-    Sampling noise needs none of this: it is counter-based (dspark.engine.sampling), never a stateful generator.
-    """
-    if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(enabled)
-    torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.allow_tf32 = not enabled  # torch's default is True for convolutions
-    torch.backends.cuda.matmul.allow_tf32 = False  # torch's default is False for matmuls
-    torch.set_float32_matmul_precision("highest")
-
-
-def tune_cpu_allocator() -> bool:
-    """Keep freed tensor memory in the process instead of handing it back to the OS (glibc only; a no-op that
-    returns False elsewhere or when DSPARK_MALLOC_TUNING=0).
-
-    Why by hand: glibc serves every block over a few MiB with a fresh mmap and unmaps it on free, so each training
-    step on a CPU re-faults hundreds of MB of logits and host distributions (benchmarks/cpu_allocator.py: the
-    quickstart's training step 3.97 -> 3.15 s on 2 cores, peak RSS 2.6 -> 3.4 GiB, identical losses). PyTorch's
-    CPU tuning guide prescribes jemalloc / tcmalloc through LD_PRELOAD, which must happen before the process
-    starts; mallopt(3) reaches the same effect from inside it. Process-wide: the `dspark` commands and the test
-    suite call it; library users opt in. Results are unchanged (allocation placement only)."""
-    import ctypes
-    import ctypes.util
-
-    if os.environ.get("DSPARK_MALLOC_TUNING", "1") == "0" or not hasattr(os, "confstr"):
-        return False
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except (OSError, ValueError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-    # no mmap for large blocks (they come from the heap and are reused), and never trim the heap top back
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
-
-
-def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "auto") -> Host:
-    """The host model `name_or_path` (see dspark.engine.models: "smollm2", a local directory, a cached hub id or
-    "random:<shape>"), wrapped for the decode loop. `.model` is the transformers model, `.tokenizer` its
-    tokenizer (None for random hosts)."""
-    from dspark.engine.models import load_model_and_tokenizer
-
-    device = resolve_device(device)
-    model, tokenizer = load_model_and_tokenizer(name_or_path, dtype=resolve_dtype(dtype, device), device=device)
-    return Host(model, tokenizer, name=name_or_path)
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -110,9 +32,21 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
     return found[-1] if found else path
 
 
+def drafter_directory(drafter) -> Path | None:
+    """The checkpoint directory `drafter` names when it is one, else None. A registered name always means the
+    registered drafter, even where a folder of that name exists (the repository's own `dspark/` package folder
+    when run from its root): a checkpoint folder of such a name is passed as drafter_path (`--drafter-path`)."""
+    from drafters import DRAFTERS
+
+    if not isinstance(drafter, (str, os.PathLike)) or str(drafter) in DRAFTERS or drafter == "none":
+        return None
+    return Path(drafter) if Path(drafter).is_dir() else None
+
+
 def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike | None = None, **overrides):
     """A drafter object from what a user typed: None / "none" (plain decoding: returns None), a Drafter
-    object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory."""
+    object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory (a
+    registered name wins over a folder of the same name: see `drafter_directory`)."""
     from drafters import DRAFTERS, Drafter, build_drafter, load_drafter
 
     if isinstance(drafter, Drafter):
@@ -131,7 +65,7 @@ def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike
     if str(drafter) in DRAFTERS:
         checkpoint = None if drafter_path is None or str(drafter) == "small-lm" else checkpoint_dir(drafter_path)
         return build_drafter(str(drafter), host, checkpoint=checkpoint or drafter_path, **overrides)
-    if Path(drafter).is_dir():
+    if drafter_directory(drafter) is not None:
         if drafter_path is not None:
             raise ValueError(f"drafter {drafter!r} is already a checkpoint directory; drop drafter_path")
         return load_drafter(checkpoint_dir(drafter), host)
@@ -211,7 +145,7 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
     """Decode `prompts` with `host`, speculatively when `drafter` is given (object, name or directory)."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     ids = encode_prompts(host, prompts, chat=chat)
-    if drafter_path is None and isinstance(drafter, (str, os.PathLike)) and Path(drafter).is_dir():
+    if drafter_path is None and drafter_directory(drafter) is not None:
         drafter_path, drafter = drafter, None
     drafter = resolve_drafter(host, drafter, drafter_path=drafter_path)
     verifier = resolve_verifier(host, verifier, draft_length=draft_length, drafter_path=drafter_path,

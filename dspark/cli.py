@@ -7,8 +7,13 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark compare --run a.json --against b.json    tau ratio of two evals with a paired bootstrap interval
     dspark train / regenerate                     see dspark.training.train, dspark.training.regenerate
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
-    dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
+    dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram), train side
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
+    dspark experiment NAME ...                     concurrency, savings, threshold, length, acceptance, simulate
+    dspark report RESULTS_DIR [--report-to wandb]  one markdown page (tables + PNGs) from experiment results
+    dspark export --drafter-path DIR --format deepspec --output OUT   the reference's layout (docs/DEEPSPEC.md)
+
+eval, sweep and calibrate take the held-out split a `dspark train` drafter was trained with (docs/RELIABILITY.md §7).
 """
 from __future__ import annotations
 
@@ -30,18 +35,19 @@ class HostOptions:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
     deterministic: bool = field(default=False, metadata={
-        "help": "deterministic kernels, no TF32, CUBLAS_WORKSPACE_CONFIG set (dspark.api.set_deterministic; "
+        "help": "deterministic kernels, no TF32, CUBLAS_WORKSPACE_CONFIG set (dspark.set_deterministic; "
                 "docs/RELIABILITY.md says what it guarantees)"})
 
 
 @dataclass
 class DecodeOptions:
     drafter: str = field(default="none", metadata={
-        "help": "none (plain decoding), ngram, dspark, dflash, mtp, eagle3, small-lm; with --drafter-path the "
-                "checkpoint's weights, without it random weights (a warning)"})
+        "help": "a registered name: none (plain decoding), ngram, dspark, dflash, mtp, eagle3, small-lm; with "
+                "--drafter-path the checkpoint's weights, without it random weights (a warning). Never a folder, "
+                "even one of the same name: folders go to --drafter-path"})
     drafter_path: Optional[str] = field(default=None, metadata={
-        "help": "a save_pretrained drafter directory; with --drafter small-lm, the small LM named like a host "
-                "(e.g. qwen2.5-coder-0.5b)"})
+        "help": "a save_pretrained drafter directory (or a `dspark train --output` directory: its newest checkpoint); "
+                "with --drafter small-lm, the small LM named like a host (e.g. qwen2.5-coder-0.5b)"})
     verifier: Literal["full", "threshold", "scheduler", "lagged"] = field(default="full", metadata={
         "help": "how many drafts each request verifies per round"})
     threshold: Optional[float] = field(default=None, metadata={"help": "confidence threshold (--verifier threshold)"})
@@ -68,7 +74,13 @@ class GenerateOptions:
 @dataclass
 class EvalOptions:
     data: str = field(default="sharegpt", metadata={"help": "sharegpt, humaneval, a .jsonl file or a datasets dir"})
-    split: Literal["train", "heldout", "all"] = field(default="heldout", metadata={"help": "which split's prompts"})
+    split: Optional[Literal["train", "heldout", "all"]] = field(default=None, metadata={
+        "help": "which split's prompts. Default: heldout; for `dspark calibrate` train, so that a calibration never "
+                "fits on the held-out prompts `dspark eval` scores (and then loads that calibration for)"})
+    heldout_fraction: Optional[float] = field(default=None, metadata={
+        "help": "share of the conversations in the held-out split. Default: the value the drafter was trained with "
+                "(its checkpoint's trainer_state.json) when it was trained on this --data, else 0.02; another value "
+                "than the drafter's own is refused, since its held-out split would then hold prompts it trained on"})
     limit: int = field(default=32, metadata={"help": "prompts evaluated"})
     on_error: Literal["skip", "raise"] = field(default="skip", metadata={
         "help": "malformed data records: skip them (each logged as file:line) or raise at the first (file:line)"})
@@ -86,12 +98,15 @@ class ProfileOptions:
                                    metadata={"help": "requests per step to time"})
     tokens_per_request: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={
         "help": "tokens per request per step (1 + verified drafts)"})
-    context: int = field(default=256, metadata={"help": "cache positions per request"})
+    context: int = field(default=256, metadata={
+        "help": "cached positions per request while timing (the step attends that prefix, as decoding does)"})
     repeats: int = field(default=10, metadata={"help": "timed steps per point (median kept)"})
     warmup: int = field(default=3, metadata={"help": "untimed steps per point"})
     engine_json: Optional[str] = field(default=None, metadata={
         "help": "also export the engine-neutral scheduling JSON (with --calibration's STS temperatures)"})
     calibration: Optional[str] = field(default=None, metadata={"help": "STS JSON to include in --engine-json"})
+    sglang_sps_table: Optional[str] = field(default=None, metadata={
+        "help": "also write the table as SGLang's DSpark scheduler reads it (--speculative-dspark-sps-table-path)"})
 
 
 @dataclass
@@ -112,6 +127,21 @@ class SweepOptions:
 
 
 @dataclass
+class ExportOptions:
+    drafter_path: str = field(metadata={"help": "the drafter checkpoint to export (dspark's or DeepSpec's)"})
+    output: str = field(metadata={"help": "directory to write the exported checkpoint to (replaced)"})
+    format: Literal["deepspec"] = field(default="deepspec", metadata={
+        "help": "deepspec: the layout of deepseek-ai/DeepSpec, which vLLM, SGLang and TensorRT-LLM load"})
+    host: Optional[str] = field(default=None, metadata={
+        "help": "the host the drafter was trained for (default: the one the checkpoint records)"})
+    device: str = field(default="cpu", metadata={"help": "where the host is loaded to read its embedding and LM head"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the written weights"})
+    mask_token_id: Optional[int] = field(default=None, metadata={
+        "help": "DSpark/DFlash: the embedding row holding the mask embedding (default: the first row past the "
+                "tokenizer's vocabulary, 151669 on Qwen3)"})
+
+
+@dataclass
 class CompareOptions:
     run: str = field(metadata={"help": "an eval JSON (dspark eval --output FILE): the numerator"})
     against: list[str] = field(metadata={"help": "eval JSONs of the same prompts to divide it by"})
@@ -127,7 +157,19 @@ def _host(opts: HostOptions):
     return load_host(opts.host, dtype=opts.dtype, device=opts.device)
 
 
+def check_drafter_flag(d: DecodeOptions) -> None:
+    """ConfigError unless --drafter is a registered name; a folder there gets a hint to use --drafter-path."""
+    from drafters import DRAFTERS
+
+    if d.drafter == "none" or d.drafter in DRAFTERS:
+        return
+    hint = (f"; {d.drafter!r} is a folder: pass a checkpoint directory as --drafter-path {d.drafter}"
+            if Path(d.drafter).is_dir() else "")
+    raise ConfigError(f"unknown --drafter {d.drafter!r}: choose none or one of {', '.join(sorted(DRAFTERS))}{hint}")
+
+
 def _decode_kwargs(d: DecodeOptions) -> dict:
+    check_drafter_flag(d)
     return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
                 draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
@@ -155,27 +197,80 @@ def cmd_generate(argv) -> int:
     return 0
 
 
+def trained_split(drafter_path) -> dict | None:
+    """{"data", "heldout_fraction"} a drafter was trained with, from the trainer_state.json that `dspark train`
+    writes into every checkpoint; None for a checkpoint without one (saved by other means)."""
+    from dspark.api import checkpoint_dir
+    from dspark.training.data import HELDOUT_FRACTION
+
+    state = checkpoint_dir(drafter_path) / "trainer_state.json"
+    if not state.is_file():
+        return None
+    config = json.loads(state.read_text()).get("config", {})
+    # a run saved before heldout_fraction was a setting trained with the default
+    return {"data": config.get("data"), "heldout_fraction": config.get("heldout_fraction", HELDOUT_FRACTION)}
+
+
+def _same_source(a: str | None, b: str) -> bool:
+    """Whether two --data values name the same conversations ("sharegpt", or one file under two spellings)."""
+    return a == b or (a is not None and Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def resolve_split(d: DecodeOptions, e: EvalOptions, *, default_split: str = "heldout") -> EvalOptions:
+    """`e` with split and heldout_fraction decided: the held-out fraction the drafter was trained with when it was
+    trained on this --data (else dspark's default), so its held-out prompts are ones it never saw in training."""
+    from dataclasses import replace
+
+    from dspark.training.data import HELDOUT_FRACTION
+
+    if e.heldout_fraction is not None and not 0.0 <= e.heldout_fraction < 1.0:
+        raise ConfigError(f"--heldout-fraction must be in [0, 1), got {e.heldout_fraction}")
+    split = e.split or default_split
+    trained = trained_split(d.drafter_path) if d.drafter_path and d.drafter not in ("ngram", "small-lm") else None
+    fraction = e.heldout_fraction
+    if trained is not None and _same_source(trained["data"], e.data):
+        if fraction is not None and fraction != trained["heldout_fraction"] and split != "all":
+            raise ConfigError(f"--heldout-fraction {fraction} differs from the {trained['heldout_fraction']} drafter "
+                              f"{d.drafter_path} was trained with on {e.data!r}: its held-out split is that one "
+                              "(drop --heldout-fraction)")
+        fraction = trained["heldout_fraction"]
+    return replace(e, split=split, heldout_fraction=HELDOUT_FRACTION if fraction is None else fraction)
+
+
 def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
-    """Token ids of up to `limit` prompts of the data split that fit `max_prompt_length`."""
+    """Token ids of up to `limit` prompts of the data split that fit `max_prompt_length` (split and
+    heldout_fraction as `resolve_split` decides them); fewer than `limit` with a warning saying so."""
+    import warnings
+
     from dspark.api import encode_prompts
-    from dspark.training.data import load_conversations, prompts
+    from dspark.training.data import HELDOUT_FRACTION, load_conversations, prompts
 
     if opts.offset < 0 or opts.limit < 1:
         raise ConfigError(f"--offset must be >= 0 and --limit >= 1, got {opts.offset} and {opts.limit}")
+    split = opts.split or "heldout"
+    fraction = HELDOUT_FRACTION if opts.heldout_fraction is None else opts.heldout_fraction
     wanted = opts.offset + opts.limit
-    conversations = load_conversations(opts.data, split=opts.split, limit=max(4 * wanted, wanted + 16),
-                                       on_error=opts.on_error)
+    conversations = load_conversations(opts.data, split=split, heldout_fraction=fraction,
+                                       limit=max(4 * wanted, wanted + 16), on_error=opts.on_error)
     ids = [p for p in encode_prompts(host, prompts(conversations)) if len(p) <= opts.max_prompt_length]
+    where = f"{opts.data!r} ({split} split" + (f", heldout_fraction {fraction})" if split != "all" else ")")
     if len(ids) <= opts.offset:
-        raise ValueError(f"no prompt of {opts.data!r} ({opts.split}) fits --max-prompt-length {opts.max_prompt_length}"
+        raise ValueError(f"no prompt of {where} fits --max-prompt-length {opts.max_prompt_length}"
                          + (f" after skipping {opts.offset}" if opts.offset else ""))
+    if len(ids) < wanted:
+        # the loader stops at `limit` conversations: short of it, the split itself ran out
+        scanned = "" if len(conversations) < max(4 * wanted, wanted + 16) else f" among its first {len(conversations)}"
+        warnings.warn(f"{where} has only {len(ids)} prompts that fit --max-prompt-length {opts.max_prompt_length}"
+                      + scanned
+                      + (f", {len(ids) - opts.offset} after skipping {opts.offset}" if opts.offset else "")
+                      + f": using {len(ids) - opts.offset}, not --limit {opts.limit}", stacklevel=2)
     return ids[opts.offset: wanted]
 
 
 def _drafter_label(d: DecodeOptions) -> str:
-    """The drafter's kind for reports: the flag, or the checkpoint's config.json kind when only a path is given
-    (dflash for a DSpark-class checkpoint with no head)."""
-    if d.drafter != "none" or d.drafter_path is None:
+    """The drafter's kind for reports: what was loaded, so the checkpoint's config.json kind whenever a checkpoint
+    is given (dflash for a DSpark-class checkpoint with no head, even under --drafter dspark), else the flag."""
+    if d.drafter_path is None or d.drafter in ("ngram", "small-lm"):
         return d.drafter
     from dspark.api import checkpoint_dir
     from drafters.checkpoint import read_config
@@ -193,11 +288,16 @@ def cmd_eval(argv) -> int:
     from dspark.metrics import summarize
 
     h, d, e = parse([HostOptions, DecodeOptions, EvalOptions], argv, prog="dspark eval")
+    e = resolve_split(d, e)
     host = _host(h)
     out = generate(host, prompts=eval_prompts(host, e), progress=not e.json, **_decode_kwargs(d))
+    # every setting that defines the prompts and the decoding (dspark.metrics.check_pairable: compare pairs only
+    # results equal in all of them)
     metrics = {"host": h.host, "drafter": _drafter_label(d), "drafter_path": d.drafter_path, "verifier": d.verifier,
-               "data": e.data, "split": e.split, "temperature": d.temperature,
-               **summarize(out.result, draft_length=d.draft_length)}
+               "threshold": d.threshold, "data": e.data, "split": e.split, "heldout_fraction": e.heldout_fraction,
+               "offset": e.offset, "limit": e.limit, "max_prompt_length": e.max_prompt_length,
+               "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
+               "seed": d.seed, **summarize(out.result, draft_length=d.draft_length)}
     if e.output:
         Path(e.output).parent.mkdir(parents=True, exist_ok=True)
         Path(e.output).write_text(json.dumps(metrics, indent=1) + "\n")
@@ -227,16 +327,16 @@ def _eval_json(path: str) -> dict:
 
 def cmd_compare(argv) -> int:
     """tau of one eval result over others on the same prompts, with a paired bootstrap interval."""
-    from dspark.metrics import paired_tau_ratio
+    from dspark.metrics import check_pairable, paired_tau_ratio
 
     (c,) = parse([CompareOptions], argv, prog="dspark compare")
     run = _eval_json(c.run)
     for other_path in c.against:
         other = _eval_json(other_path)
-        for key in ("host", "data", "split", "requests"):
-            if run.get(key) != other.get(key):
-                raise ValueError(f"{c.run} and {other_path} are not over the same prompts: {key} "
-                                 f"{run.get(key)!r} vs {other.get(key)!r}")
+        try:
+            check_pairable(run, other)
+        except ValueError as error:  # e.g. "were not decoded the same way: temperature 0.0 vs 1.0"
+            raise ValueError(f"{c.run} and {other_path} {error}") from None
         try:
             cmp = paired_tau_ratio(run, other, level=c.level)
         except ValueError as error:
@@ -260,12 +360,16 @@ def cmd_profile(argv) -> int:
     sts = STSCalibrator.load(p.calibration).temperatures if p.engine_json and p.calibration else None
     host = _host(h)
     cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
-                   warmup=p.warmup, max_len=p.context)
+                   warmup=p.warmup, context=p.context)
     Path(p.out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(p.out)
     cost.to_csv(Path(p.out).with_suffix(".csv"))
     if p.engine_json:
         export_engine_json(p.engine_json, cost=cost, sts_temperatures=sts)
+    if p.sglang_sps_table:
+        from verifiers.engine_tables import export_sglang_sps
+
+        export_sglang_sps(p.sglang_sps_table, cost)
     print(f"wrote {p.out}: SPS at B = " + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
     return 0
 
@@ -284,6 +388,17 @@ def cmd_calibrate(argv) -> int:
                           "first rejection, which STS needs")
     if not 0.0 <= c.holdout < 1.0:
         raise ConfigError(f"--holdout must be in [0, 1), got {c.holdout}")
+    # why train by default: eval scores the held-out prompts and loads this calibration by itself, so fitting on
+    # them would judge the calibrated confidences on the very prompts they were fitted on
+    e = resolve_split(d, e, default_split="train")
+    eval_default = EvalOptions.limit
+    if e.split != "train" and e.offset < eval_default:
+        import warnings
+
+        warnings.warn(f"fitting on {e.split} prompts {e.offset}..{e.offset + e.limit - 1}, which `dspark eval` also "
+                      f"scores (by default its first {eval_default} held-out ones) and then judges with this "
+                      f"calibration: use --offset {eval_default} or more (and eval a --limit below it), or the default "
+                      "--split train", stacklevel=1)
     host = _host(h)
     out = generate(host, prompts=eval_prompts(host, e), progress=True, **_decode_kwargs(d))
     conf = out.result.log.confidences()
@@ -303,7 +418,8 @@ def cmd_calibrate(argv) -> int:
     target = Path(c.out or checkpoint_dir(d.drafter_path) / CALIBRATION_FILE)
     report = calibration_report(conf[test], accepted[test], reached[test], calibrator=sts)
     sts.save(target)  # after the report is computed: a failing report leaves the drafter's old calibration alone
-    report.update(fit_requests=n_requests - n_test, report_requests=n_test or n_requests,
+    report.update(data=e.data, split=e.split, heldout_fraction=e.heldout_fraction, offset=e.offset, limit=e.limit,
+                  fit_requests=n_requests - n_test, report_requests=n_test or n_requests,
                   fit_rounds=int(fit.sum()), report_rounds=int(test.sum()),
                   mean_survival_ece={when: _nanmean(report[when]["survival"]["ece"]) for when in ("before", "after")})
     report_path = Path(c.report or target.with_name(target.stem + "_report.json"))
@@ -326,10 +442,61 @@ def _nanmean(values: list[float]) -> float:
 
 
 def cmd_sweep(argv) -> int:
-    from experiments.sweep import run_sweep
+    from dspark.api import resolve_drafter
+    from dspark.sweep import run_sweep
 
     h, d, e, s = parse([HostOptions, DecodeOptions, EvalOptions, SweepOptions], argv, prog="dspark sweep")
-    run_sweep(h, d, e, s, argv=argv)
+    check_drafter_flag(d)
+    e = resolve_split(d, e)  # the held-out split the drafter was trained with
+    host = _host(h)  # as every command loads it: --deterministic switches before the host loads
+    drafter = resolve_drafter(host, None if d.drafter == "none" and d.drafter_path else d.drafter,
+                              drafter_path=d.drafter_path)
+    if drafter is None:
+        raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
+    run_sweep(host, drafter, eval_prompts(host, e), decode_opts=d, eval_opts=e, sweep_opts=s, host_name=h.host,
+              label=_drafter_label(d), argv=argv)
+    return 0
+
+
+def plugin_commands() -> dict:
+    """Commands that other installed code registers under the entry-point group `dspark.commands` (this
+    repository's `experiments/` registers `experiment` and `report` in pyproject.toml). why entry points: the
+    runners sit above the package in the layer order, so the package must not import them; they plug in instead."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group="dspark.commands")}
+
+
+def cmd_export(argv) -> int:
+    """A drafter checkpoint in another layout; with its STS calibration, also as SGLang reads it."""
+    import shutil
+
+    import torch
+
+    from dspark.api import CALIBRATION_FILE, checkpoint_dir, load_host
+    from drafters import load_drafter
+    from drafters.checkpoint import read_config
+    from drafters.deepspec import export_deepspec
+    from verifiers.calibration import STSCalibrator
+    from verifiers.engine_tables import export_sglang_sts
+
+    (x,) = parse([ExportOptions], argv, prog="dspark export")
+    source = checkpoint_dir(x.drafter_path)
+    host_name = x.host or read_config(source)["host"]["name"]
+    if host_name is None:
+        raise ConfigError(f"{source} records no host: pass --host")
+    host = load_host(host_name, dtype="float32", device=x.device)
+    drafter = load_drafter(source, host)
+    out = export_deepspec(drafter, host, x.output, mask_token_id=x.mask_token_id,
+                          dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[x.dtype])
+    written = [out / "config.json"]
+    calibration = source / CALIBRATION_FILE
+    if calibration.is_file():  # evaluating the export here picks it up; SGLang reads the second
+        shutil.copyfile(calibration, out / CALIBRATION_FILE)
+        export_sglang_sts(out / "sglang_sts.json", STSCalibrator.load(calibration), dataset=str(source))
+        written += [out / CALIBRATION_FILE, out / "sglang_sts.json"]
+    print(f"wrote {out} ({drafter.name} for host {host_name!r}, DeepSpec layout): " + ", ".join(p.name for p in written)
+          + " and the weights")
     return 0
 
 
@@ -356,7 +523,7 @@ def cmd_quickstart(argv) -> int:
 
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
             "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
-            "compare": cmd_compare}
+            "compare": cmd_compare, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,14 +537,15 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
-        print(f"dspark: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+    plugins = plugin_commands()
+    if command not in COMMANDS and command not in plugins:
+        print(f"dspark: unknown command {command!r}; commands: {', '.join([*COMMANDS, *plugins])}", file=sys.stderr)
         return 2
-    from dspark.api import tune_cpu_allocator
+    from dspark.engine.runtime import tune_cpu_allocator
 
     tune_cpu_allocator()  # CPU training steps 1.26x faster on glibc (benchmarks/cpu_allocator.py)
     try:
-        return COMMANDS[command](rest)
+        return COMMANDS[command](rest) if command in COMMANDS else plugins[command].load()(rest)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         # clear one-line errors for bad input; set DSPARK_TRACEBACK=1 to see the stack
         import os

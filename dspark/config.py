@@ -6,6 +6,11 @@ run.yaml`, a mapping whose keys are the same field names. Precedence: dataclass 
 Unknown keys are errors that name the key and list the valid ones; values are checked against the field types
 (int, float, bool, str, Optional[...], list[...], dict[str, ...], Literal[...] choices).
 
+List and mapping flags take several values and append when repeated: `--prompt A --prompt B` and
+`--prompt A B` are both two prompts, `--drafter-args a=1 --drafter-args b=2` both pairs. A value is one item as
+typed: `--prompt "Name three primes, please."` is one prompt; only lists of numbers may also be written
+comma-separated (`--batch-sizes 1,4,16`). A flag replaces the YAML value of its key, it does not extend it.
+
 why not transformers.HfArgumentParser: it passes YAML values into the dataclass unchecked (a quoted "1e-3" stays a
 string until the optimiser fails), its unknown-key error does not list the valid keys, and flags over YAML needs
 a second parse anyway. One coercion function shared by flags and YAML keeps both paths identical.
@@ -79,8 +84,8 @@ def coerce(value: Any, tp, key: str) -> Any:
                 return choice
         raise ConfigError(f"{key}: {value!r} is not a valid choice; choose one of {', '.join(map(repr, choices))}")
     if origin is list:
-        if isinstance(value, str):  # a single flag value or a comma-separated one
-            value = [v for v in value.split(",") if v != ""]
+        if isinstance(value, str):  # one value; numbers may also come comma-separated ("1,4,16")
+            value = _split_numbers(value) if _numeric(typing.get_args(tp)[0]) else [value]
         if not isinstance(value, (list, tuple)):
             fail()
         return [coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
@@ -123,6 +128,16 @@ def coerce(value: Any, tp, key: str) -> Any:
             return Path(value)
         fail()
     raise ConfigError(f"{key}: unsupported field type {tp!r} in the config dataclass")
+
+
+def _numeric(tp) -> bool:
+    """Whether list items of type `tp` are numbers: only those may be written comma-separated, since a comma can
+    be part of a string (a prompt such as "Name three primes, please.") but never of a number."""
+    return (_optional_inner(tp) or tp) in (int, float)
+
+
+def _split_numbers(value: str) -> list[str]:
+    return [v for v in value.split(",") if v.strip() != ""]
 
 
 def _fields(dataclass_types: Sequence[type]) -> dict[str, tuple[type, dataclasses.Field, Any]]:
@@ -169,13 +184,14 @@ def build_parser(dataclass_types: Sequence[type], *, prog: str | None = None,
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
         base = _optional_inner(tp) or tp
-        if typing.get_origin(base) is list:
-            kwargs["nargs"] = "*"
+        if typing.get_origin(base) in (list, dict):
+            # a repeated flag appends: `--prompt A --prompt B` is two prompts, `--batch-sizes 1 4 --batch-sizes 16`
+            # three sizes, `--drafter-args a=1 --drafter-args b=2` both pairs
+            kwargs.update(nargs="*", action="extend")
         elif base is bool or "const" in f.metadata:
             # `--flag` alone means True (or the declared const); `--flag false` is also accepted
             kwargs.update(nargs="?", const=f.metadata.get("const", "true"))
         if typing.get_origin(base) is dict:
-            kwargs["nargs"] = "*"
             kwargs["metavar"] = "KEY=VALUE"
         if typing.get_origin(base) is Literal:
             kwargs["metavar"] = "{" + ",".join(str(c) for c in typing.get_args(base)) + "}"
@@ -197,8 +213,8 @@ def _flag_value(raw: Any, tp) -> Any:
                 raise ConfigError(f"expected KEY=VALUE, got {item!r}")
             pairs[key] = yaml.safe_load(value)  # why: `num_layers=3` gives an int, `head=markov` a str
         return pairs
-    if typing.get_origin(base) is list and isinstance(raw, list) and len(raw) == 1 and "," in raw[0]:
-        return raw[0]  # a comma-separated single value
+    if typing.get_origin(base) is list and isinstance(raw, list) and _numeric(typing.get_args(base)[0]):
+        return [v for item in raw for v in _split_numbers(item)]  # `--batch-sizes 1,4 16` is [1, 4, 16]
     return raw
 
 

@@ -15,8 +15,10 @@ Shapes: B rows of input_ids, P padded prompt length, G generated length (the lon
 
 transformers (>= 5.17) prepares the inputs, the GenerationConfig, its logits processors and stopping criteria,
 then calls the callable in place of its own decoding loop. The callable strips each row's left padding, decodes
-the prompts with dspark.engine.decode.generate (lossless: greedy output is transformers' greedy output token for token,
-sampled output follows the same distribution) and returns what generate() returns: the padded input_ids followed
+the prompts with dspark.engine.decode.generate (lossless: sampled output follows the same distribution; greedy output
+is transformers' greedy output token for token in fp32 only: in bf16 / fp16 the multi-token verify forward rounds
+differently from generate()'s one-token steps, so a near-tie can flip and the continuations part, see the README's
+"Drop into transformers.generate") and returns what generate() returns: the padded input_ids followed
 by the new tokens, rows that finished early padded with pad_token_id (the first eos id when unset, as in
 transformers).
 
@@ -34,9 +36,10 @@ prompt_lookup_num_tokens, ...), every other logits processor (repetition_penalty
 bad_words_ids, logits_processor=...: each changes the target distribution), output_scores / output_logits /
 output_attentions / output_hidden_states (the loop keeps no per-step scores) and inputs other than input_ids.
 
-Randomness is dspark's counter-based noise keyed by (seed + row, position), not torch's global generator: a call
-repeated with the same seed repeats its samples; seed=None draws the base seed from torch's generator, so
-torch.manual_seed governs it as it governs transformers' sampling.
+Randomness is dspark's counter-based noise keyed by (seed + row, position), not torch's global generator. By
+default (seed=None) every call draws a fresh base seed from torch's generator, so repeated sampled calls differ
+and torch.manual_seed governs them, as it governs transformers' sampling; `speculative(..., seed=5)` opts into a
+fixed seed, with which every call repeats its samples.
 
 With return_dict_in_generate=True the result is a GenerateDecoderOnlyOutput whose `sequences` are as above and
 whose attribute `speculation` is a `Speculation` (tau, rounds, per-row accepted drafts, rounds and new tokens,
@@ -45,11 +48,9 @@ finish reasons, seconds and the RoundLog that dspark.metrics reads).
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers.generation import (EosTokenCriteria, GenerateDecoderOnlyOutput, LogitNormalization,
@@ -59,7 +60,7 @@ from transformers.generation import (EosTokenCriteria, GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
-from dspark.api import resolve_drafter, resolve_verifier
+from dspark.api import drafter_directory, resolve_drafter, resolve_verifier
 from dspark.engine import decode
 from dspark.engine.decode import RoundLog
 from dspark.engine.host import Host
@@ -105,13 +106,14 @@ class _Row:
         return torch.cat([self.padded, self.padded.new_tensor(self.new)]).unsqueeze(0)  # (1, P + len(new))
 
 
-def speculative(drafter, verifier="full", *, draft_length: int = 7, seed: int | None = 0, cost_table=None,
+def speculative(drafter, verifier="full", *, draft_length: int = 7, seed: int | None = None, cost_table=None,
                 threshold: float | None = None, calibration=None) -> "SpeculativeGenerate":
     """The callable for `model.generate(custom_generate=...)`.
 
     drafter: a Drafter, a registered name ("ngram", "dspark", ...) or a checkpoint directory; verifier: a name
     ("full", "threshold", "scheduler", "lagged") or a Verifier, with threshold / cost_table / calibration as in
     dspark.api.resolve_verifier. Both are built for the model at the first call and kept for later calls.
+    seed: None (fresh randomness per call, from torch's generator) or a fixed base seed (calls repeat).
     """
     return SpeculativeGenerate(drafter, verifier, draft_length=draft_length, seed=seed, cost_table=cost_table,
                                threshold=threshold, calibration=calibration)
@@ -133,7 +135,7 @@ class SpeculativeGenerate:
         if model is not self._model:
             host = Host(model, name=model.config.name_or_path or "host")
             spec = self.drafter_spec
-            drafter_path = spec if isinstance(spec, (str, os.PathLike)) and Path(spec).is_dir() else None
+            drafter_path = drafter_directory(spec)  # a registered name is never read as a folder
             self.drafter = resolve_drafter(host, spec)
             self.verifier = resolve_verifier(host, self.verifier_spec, draft_length=self.draft_length,
                                              drafter_path=drafter_path, **self.verifier_options)

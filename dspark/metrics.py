@@ -83,18 +83,37 @@ def tau_interval(tau_sum: list[int], rounds: list[int], *, level: float = 0.95,
     return _quantiles(_resampled_tau(a, n, _index(len(a), resamples, seed)), level)
 
 
+#: what an eval JSON records about the prompts it scored and how it decoded them (dspark.cli.cmd_eval):
+#: two runs are paired only when they agree on every one, so what differs is the drafter (drafter, drafter_path)
+PROMPT_SETTINGS = ("host", "data", "split", "heldout_fraction", "offset", "limit", "max_prompt_length", "requests")
+DECODE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "draft_length", "verifier", "threshold")
+
+
+def check_pairable(a: dict, b: dict) -> None:
+    """ValueError naming the first setting two eval results differ in (a setting one of them lacks counts as
+    different: it was written before that setting was recorded, so the pairing cannot be checked)."""
+    for group, keys in (("are not over the same prompts", PROMPT_SETTINGS),
+                        ("were not decoded the same way", DECODE_SETTINGS)):
+        for key in keys:
+            if (key in a) != (key in b) or a.get(key) != b.get(key):
+                shown = [repr(m[key]) if key in m else "(not recorded)" for m in (a, b)]
+                raise ValueError(f"{group}: {key} {shown[0]} vs {shown[1]}")
+
+
 def paired_tau_ratio(a: dict, b: dict, *, level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
                      seed: int = 0) -> dict:
     """tau(a) / tau(b) for two `summarize` outputs over the same prompts, with a paired bootstrap interval.
 
     Both runs are resampled with the same requests, so a prompt that is easy for both moves both taus together.
-    `p_not_above` is the fraction of resamples with ratio <= 1 (small: a is reliably above b)."""
+    `p_not_above` is the fraction of resamples with ratio <= 1 (small: a is reliably above b). Results that differ
+    in a setting of `check_pairable` are refused."""
     for name, m in (("first", a), ("second", b)):
         if "per_request_tau_sum" not in m:
             raise ValueError(f"the {name} result has no per-request sums (written before they were recorded?)")
     if len(a["per_request_rounds"]) != len(b["per_request_rounds"]):
         raise ValueError(f"not the same prompts: {len(a['per_request_rounds'])} vs {len(b['per_request_rounds'])} "
                          "requests")
+    check_pairable(a, b)
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     if not sum(a["per_request_rounds"]) or not sum(b["per_request_rounds"]):
@@ -147,17 +166,6 @@ def summarize(result: GenerationResult, *, draft_length: int | None = None) -> d
     tau_sum, rounds = per_request_sums(result)
     out.update(tau_ci95=tau_interval(tau_sum, rounds), per_request_tau_sum=tau_sum, per_request_rounds=rounds)
     return out
-
-
-def expected_tau(conditional: list[float]) -> float:
-    """tau implied by per-position conditional acceptances under verify-all: 1 + sum_k prod_{i<=k} alpha_i."""
-    total, survive = 1.0, 1.0
-    for alpha in conditional:
-        if math.isnan(alpha):
-            break
-        survive *= alpha
-        total += survive
-    return total
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

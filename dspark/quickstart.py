@@ -117,7 +117,8 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
 
     _say(3, total, "profiling the host's verify cost SPS(B) for the scheduler")
     cost = profile(host, batch_sizes=[1, size.eval_batch], tokens_per_request=[1, 2, 4, DRAFT_LENGTH + 1],
-                   repeats=3, warmup=1, max_len=size.max_prompt_length + size.max_new_tokens + 16)
+                   repeats=3, warmup=1,
+                   context=size.max_prompt_length + size.max_new_tokens // 2)  # a mid-decode length
     cost.save(out / "cost.json")
 
     conversations = load_conversations("sharegpt", split="heldout", limit=8 * size.eval_prompts)

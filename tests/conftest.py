@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.api import tune_cpu_allocator
+from dspark.engine.runtime import tune_cpu_allocator
 from dspark.engine.host import Host
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

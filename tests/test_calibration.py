@@ -59,10 +59,27 @@ def test_save_load_and_position_errors(tmp_path):
     path = tmp_path / "sts.json"
     cal.save(path)
     assert STSCalibrator.load(path, expect_positions=3) == cal
-    with pytest.raises(ValueError, match=r"fitted for 3 draft positions, but 7 are in use"):
+    with pytest.raises(ValueError, match=r"fitted for 3 draft positions, but 7 are in use: it has no "
+                                         r"temperatures for positions 4\.\.7.*--draft-length 7"):
         STSCalibrator.load(path, expect_positions=7)
-    with pytest.raises(ValueError, match=r"fitted for 3 draft positions, but the confidences have 5"):
+    with pytest.raises(ValueError, match=r"fitted for 3 draft positions, but 5 are in use"):
         cal.apply(torch.rand(2, 5))
+
+
+def test_a_fit_at_gamma_serves_every_shorter_draft_length(tmp_path):
+    """STS fits position by position, so the first g temperatures of a fit at K are the fit at g, and loading
+    or applying it at any g <= K works (the sweep's gammas 1, 3, 5 with a calibration fitted at 7)."""
+    c, accepted, reached = synthetic_log(N=1500)
+    full = STSCalibrator.fit(c, accepted, reached)
+    path = tmp_path / "sts.json"
+    full.save(path)
+    for g in range(1, K + 1):
+        short = STSCalibrator.fit(c[:, :g], accepted[:, :g], reached[:, :g])
+        assert full.temperatures[:g] == short.temperatures
+        assert torch.equal(full.apply(c[:, :g]), short.apply(c[:, :g]))
+        assert STSCalibrator.load(path, expect_positions=g) == full
+        p = Proposal(tokens=torch.zeros(len(c), g, dtype=torch.long), confidence=c[:, :g])
+        assert torch.equal(calibrated_confidence(p, g, full), short.apply(c[:, :g].float()))
     with pytest.raises(ValueError, match="> 0"):
         STSCalibrator(temperatures=[1.0, -1.0])
 

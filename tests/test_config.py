@@ -126,3 +126,28 @@ def test_help_text_comes_from_metadata(capsys):
         parse([Run], ["--help"])
     out = capsys.readouterr().out
     assert "--max-steps" in out and "optimizer steps" in out and "--config" in out
+
+
+@dataclass
+class Lists:
+    prompt: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=lambda: [1, 4])
+    drafter_args: dict[str, Any] = field(default_factory=dict)
+
+
+def test_repeated_list_and_dict_flags_append():
+    (opts,) = parse([Lists], ["--prompt", "A", "--prompt", "B", "--sizes", "1", "2", "--sizes", "8",
+                              "--drafter-args", "num_layers=3", "--drafter-args", "head=rnn"])
+    assert opts.prompt == ["A", "B"] and opts.sizes == [1, 2, 8]
+    assert opts.drafter_args == {"num_layers": 3, "head": "rnn"}
+    (opts,) = parse([Lists], ["--sizes", "1,4", "16"])  # numbers may still come comma-separated
+    assert opts.sizes == [1, 4, 16]
+
+
+def test_a_comma_inside_a_text_value_is_text(tmp_path):
+    (opts,) = parse([Lists], ["--prompt", "Name three primes, please.", "--prompt", "a,b"])
+    assert opts.prompt == ["Name three primes, please.", "a,b"]
+    (opts,) = parse([Lists], ["--config", write(tmp_path, "prompt: 'Hi, there'\nsizes: '2,3'\n")])
+    assert opts.prompt == ["Hi, there"] and opts.sizes == [2, 3]
+    (opts,) = parse([Lists], ["--config", write(tmp_path, "prompt: [x, y]\nsizes: [5]\n"), "--prompt", "z"])
+    assert opts.prompt == ["z"] and opts.sizes == [5]  # a flag replaces the YAML list

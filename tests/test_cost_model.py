@@ -1,4 +1,4 @@
-"""SPS(B) tables: interpolation, persistence, validation, and the profiler against a fake host."""
+"""SPS(M) tables (M tokens per forward): interpolation, persistence, validation, and the profiler against a fake host."""
 from __future__ import annotations
 
 import csv
@@ -17,10 +17,10 @@ def test_interpolation_clamp_and_extrapolation():
     assert cost(6) == pytest.approx(60.0)
     assert cost(2) == pytest.approx(100.0) and cost(10) == pytest.approx(20.0)
     assert cost(1) == pytest.approx(100.0)  # clamped below the first point
-    assert cost(20) == pytest.approx(10.0)  # step time proportional to B past the last point
-    B = torch.arange(1, 25)
-    assert torch.allclose(cost(B), torch.tensor([cost(int(b)) for b in B], dtype=torch.float64))
-    assert cost(B).dtype == torch.float64 and cost(B).shape == B.shape
+    assert cost(20) == pytest.approx(10.0)  # step time proportional to M past the last point
+    M = torch.arange(1, 25)
+    assert torch.allclose(cost(M), torch.tensor([cost(int(m)) for m in M], dtype=torch.float64))
+    assert cost(M).dtype == torch.float64 and cost(M).shape == M.shape
     single = CostModel.from_points({4: 50.0})
     assert single(1) == 50.0 and single(8) == pytest.approx(25.0)
     flat = CostModel.flat(7.0)
@@ -77,6 +77,9 @@ class FakeCache:
     lengths: torch.Tensor
     max_len: int
 
+    def advance(self, n: torch.Tensor) -> None:
+        self.lengths += n
+
 
 class FakeHost:
     """The Host API the profiler times; a step sleeps 1 ms per token, plus 3 ms when T > 1."""
@@ -87,34 +90,67 @@ class FakeHost:
     vocab_size = 32
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.attends = [], []
 
     def new_cache(self, batch_size: int, max_len: int) -> FakeCache:
         return FakeCache(lengths=torch.zeros(batch_size, dtype=torch.long), max_len=max_len)
 
-    def step(self, cache: FakeCache, tokens: torch.Tensor, n_valid: torch.Tensor):
+    def step(self, cache: FakeCache, tokens: torch.Tensor, n_valid: torch.Tensor, *, attend: int | None = None):
         B, T = tokens.shape
         assert cache.lengths.shape == (B,) and n_valid.tolist() == [T] * B
         assert int(tokens.max()) < self.vocab_size
         self.calls.append((B, T))
+        self.attends.append((cache.lengths.tolist(), attend))
         time.sleep(0.001 * B * T + (0.003 if T > 1 else 0.0))
 
 
 def test_profile_with_fake_host():
     host = FakeHost()
-    cost = profile(host, batch_sizes=[1, 2], tokens_per_request=[1, 2], repeats=2, warmup=1, max_len=8)
+    cost = profile(host, batch_sizes=[1, 2], tokens_per_request=[1, 2], repeats=2, warmup=1, context=8)
     assert len(host.calls) == 4 * 3
     assert cost.tokens == [1, 2, 4]
     assert cost.host == "fake" and cost.device == device_description("cpu") == "cpu"
     assert cost.dtype == "torch.float32" and cost.mode == "eager" and cost.torch_version == torch.__version__
     assert cost.batch_sizes == [1, 2] and cost.tokens_per_request == [1, 2] and len(cost.points) == 4
     point = {(p["batch_size"], p["tokens_per_request"]): p for p in cost.points}
-    # B = 2 arises from (R=1, T=2) and (R=2, T=1): the slower one (T=2 pays 3 ms more) enters the table
+    # M = 2 arises from (R=1, T=2) and (R=2, T=1): the slower one (T=2 pays 3 ms more) enters the table
     assert cost(2) == pytest.approx(1.0 / point[1, 2]["step_seconds"])
     assert point[1, 2]["step_seconds"] > point[2, 1]["step_seconds"]
     assert cost.sps[0] > cost.sps[-1]
-    with pytest.raises(ValueError, match="do not fit"):
-        profile(host, batch_sizes=[1], tokens_per_request=[16], max_len=8)
+    assert cost.context == 8
+    # every step sees `context` cached positions and attends them plus its own tokens, as decoding does
+    assert {(tuple(lengths), attend) for lengths, attend in host.attends} == {
+        ((8,), 9), ((8,), 10), ((8, 8), 9), ((8, 8), 10)}
+    with pytest.raises(ValueError, match="context must be an integer"):
+        profile(host, batch_sizes=[1], tokens_per_request=[1], context=-1)
+
+
+def test_profiler_times_the_attention_width_decoding_uses(tiny_host, monkeypatch):
+    """The keys a profiled step attends are the keys a decode round attends at the same cache length and width
+    (the loop attends a bucketed prefix of its cache, never the whole preallocated cache)."""
+    from dspark.engine.decode import generate
+    from drafters.ngram import NgramDrafter
+
+    seen = []  # (cache length, tokens per row, attended keys) of every host step
+    run = tiny_host._run
+
+    def spy(tokens, positions, key_pos, *args, **kwargs):
+        seen.append((int(positions[0, 0]), tokens.shape[1], key_pos.shape[1]))
+        return run(tokens, positions, key_pos, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_host, "_run", spy)
+    prompt = [5, 6, 7, 8] * 8  # 32 tokens, and repeats for the n-gram drafter
+    generate(tiny_host, [prompt], drafter=NgramDrafter(), draft_length=4, max_new_tokens=100)
+    # the loop's cache holds 32 + 100 + 4 + 2 = 138 positions; rounds that fit its first two 64-position buckets
+    # (the last rounds are cut at the cache's end, which a table for every request length cannot know)
+    rounds = [r for r in seen[1:] if r[0] + r[1] <= 128]
+    assert {width for *_, width in rounds} == {64, 128}
+    for context, T, width in rounds:
+        seen.clear()
+        cost = profile(tiny_host, batch_sizes=[1], tokens_per_request=[T], context=context, repeats=1, warmup=0)
+        assert seen == [(context, T, width)] and cost.context == context
+    with pytest.raises(ValueError, match="do not fit the host's context of 512"):
+        profile(tiny_host, batch_sizes=[1], tokens_per_request=[16], context=500)
 
 
 def test_export_engine_json(tmp_path):

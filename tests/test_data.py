@@ -15,11 +15,9 @@ import torch
 from dspark.engine.models import load_model_and_tokenizer
 from dspark.training.data import (
     HUMANEVAL_TEMPLATE,
-    ChatDataset,
     Conversation,
     TokenizedChat,
     collate,
-    document_attention_mask,
     load_conversations,
     pack,
     prompts,
@@ -286,31 +284,11 @@ def test_pack_respects_seq_len_and_keeps_every_token_in_order():
     assert [len(p.input_ids) for p in too_long] == [10, 4]
 
 
-def test_collate_pads_and_restarts_positions_per_document():
+def test_collate_pads_and_numbers_documents():
     packed = pack([_example(3, 10), _example(2, 20)], seq_len=8) + [_example(4, 30)]
-    dataset = ChatDataset(packed)
-    batch = collate([dataset[0], dataset[1]], pad_token_id=7)
+    batch = collate([packed[0], packed[1]], pad_token_id=7)
     assert batch.input_ids.tolist() == [[10, 11, 12, 20, 21], [30, 31, 32, 33, 7]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert batch.loss_mask.tolist() == [[0, 1, 0, 0, 1], [0, 1, 0, 1, 0]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
     assert batch.document_ids.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, -1]]
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=lambda b: collate(b, pad_token_id=0))
+    loader = torch.utils.data.DataLoader(packed, batch_size=2, collate_fn=lambda b: collate(b, pad_token_id=0))
     assert next(iter(loader)).input_ids.shape == (2, 5)
-
-
-def test_packed_forward_equals_separate_forwards():
-    """document_attention_mask + position_ids keep packed documents from seeing each other."""
-    model, _ = load_model_and_tokenizer("random:tiny-llama")
-    a, b = _example(6, 5), _example(4, 40)
-    batch = collate(pack([a, b], seq_len=16) + [a], pad_token_id=0)  # row 1 is `a` plus padding
-    mask = document_attention_mask(batch.document_ids)  # (B, 1, T, T)
-    assert mask.shape == (2, 1, 10, 10)
-    with torch.no_grad():
-        packed = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids).logits
-        alone_a = model(torch.tensor([a.input_ids])).logits
-        alone_b = model(torch.tensor([b.input_ids])).logits
-    assert not packed.isnan().any()
-    torch.testing.assert_close(packed[0, :6], alone_a[0])
-    torch.testing.assert_close(packed[0, 6:], alone_b[0])
-    torch.testing.assert_close(packed[1, :6], alone_a[0])

@@ -9,6 +9,8 @@ Shapes: B requests, K draft positions, V vocabulary, n seeds of a statistical te
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import warnings
 
@@ -179,6 +181,30 @@ def test_every_drafter_is_greedy_exact_at_batch_1_and_4(name, tiny_host, tmp_pat
         out = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=12, batch_size=batch_size)
         assert out.token_ids == want, f"{name}, batch {batch_size}"
         assert int(out.log.column("proposed").sum()) > 0  # it did propose drafts
+
+
+@pytest.mark.parametrize("name", ["ngram", "mtp", "ngram-no-width"])
+def test_verify_all_forward_is_only_as_wide_as_the_proposals(name, tiny_host, tmp_path, monkeypatch):
+    """Verify-all runs 1 + the longest proposal per round, not 1 + K, when the drafter proposes fewer than K
+    (n-gram: what the lookup found, MTP-1: one); without a stated `width` the loop reads the lengths instead."""
+    drafter = build_any(name.removesuffix("-no-width"), tiny_host, tmp_path)
+    if name.endswith("-no-width"):
+        propose = drafter.propose
+        monkeypatch.setattr(drafter, "propose", lambda state, K: dataclasses.replace(propose(state, K), width=None))
+    widths = []
+    step = tiny_host.step
+    monkeypatch.setattr(tiny_host, "step", lambda cache, tokens, *a, **kw: (widths.append(tokens.shape[1]),
+                                                                            step(cache, tokens, *a, **kw))[1])
+    prompts = batch8(tiny_host)[2:6]
+    out = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=12)
+    assert out.token_ids == [greedy_reference(tiny_host, tuple(p), 12) for p in prompts]
+    drafts = [w - 1 for w in widths[1:]]  # per round after the prefill: drafts per row in the verify forward
+    proposed = [int(p.max()) for p in out.log.proposed]  # per round, the longest proposal in the batch
+    verified = [int(v.max()) for v in out.log.verified]
+    assert len(drafts) == len(proposed) and all(v <= d <= p for d, p, v in zip(drafts, proposed, verified))
+    assert sum(d < K for d in drafts) >= len(drafts) // 2  # the case in point: mostly fewer than K proposed
+    if name.endswith("-no-width"):
+        assert drafts == verified
 
 
 # ---- losslessness at T = 1 and top-p: chi-square on the micro host ---------------------------------------------

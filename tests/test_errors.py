@@ -281,12 +281,34 @@ def test_cost_table_for_another_host_or_device(tiny_host, tmp_path):
         dspark.api.resolve_verifier(tiny_host, "lagged", cost_table=tmp_path / "d.json")
 
 
-def test_calibration_with_the_wrong_number_of_positions(tiny_host, tmp_path):
+def test_calibration_with_too_few_positions(tiny_host, tmp_path):
     """(STSCalibrator.load / apply: tests/test_calibration.py::test_save_load_and_position_errors.)"""
     STSCalibrator(temperatures=[1.0, 2.0, 3.0]).save(tmp_path / "sts.json")
-    with pytest.raises(ValueError, match="was fitted for 3 draft positions, but 5 are in use"):
+    with pytest.raises(ValueError, match="was fitted for 3 draft positions, but 5 are in use: it has no temperatures "
+                                         "for positions 4..5"):
         dspark.generate(tiny_host, "ngram", [[1, 2, 1, 2]], verifier="threshold", threshold=0.5,
                         calibration=tmp_path / "sts.json", draft_length=5, max_new_tokens=2)
+
+
+def test_checkpoint_calibration_serves_the_sweeps_draft_lengths(tiny_host, tmp_path):
+    """`dspark calibrate` fits at the default draft length and saves beside the drafter, where every confidence
+    policy loads it automatically: the sweep's default gammas (all shorter) use its first gamma temperatures; a
+    longer gamma is refused before decoding, naming the fix."""
+    from dspark.cli import DecodeOptions, SweepOptions
+
+    fitted_at = DecodeOptions.draft_length  # what `dspark calibrate` fits at by default
+    STSCalibrator(temperatures=[1.0 + k / 10 for k in range(fitted_at)]).save(tmp_path / dspark.api.CALIBRATION_FILE)
+    for gamma in SweepOptions().draft_lengths:
+        verifier = dspark.api.resolve_verifier(tiny_host, "threshold", threshold=0.5, draft_length=gamma,
+                                               drafter_path=tmp_path)
+        assert verifier.calibrator.positions == fitted_at
+        c = torch.full((2, gamma), 0.7)
+        assert torch.allclose(verifier.calibrator.apply(c), STSCalibrator(
+            temperatures=verifier.calibrator.temperatures[:gamma]).apply(c))
+    with pytest.raises(ValueError, match=f"fitted for {fitted_at} draft positions, but {fitted_at + 2} are in use.*"
+                                         f"dspark calibrate --draft-length {fitted_at + 2}"):
+        dspark.api.resolve_verifier(tiny_host, "scheduler", cost_table=CostModel.flat(), draft_length=fitted_at + 2,
+                                    drafter_path=tmp_path)
 
 
 @pytest.mark.parametrize("load, what", [(CostModel.load, "cost table"), (STSCalibrator.load, "STS calibration")])
@@ -400,8 +422,8 @@ def test_failed_commands_leave_no_output_files(tmp_path, capsys):
     assert rc == 1 and "is not a dspark.sts version 1 file" in capsys.readouterr().err
     assert not cost.exists() and not (tmp_path / "engine.json").exists()
     rc = main(["profile", *base, "--out", str(cost), "--batch-sizes", "1", "--tokens-per-request", "64",
-               "--context", "8"])
-    assert rc == 1 and "do not fit a cache of 8" in capsys.readouterr().err
+               "--context", "500"])
+    assert rc == 1 and "do not fit the host's context of 512" in capsys.readouterr().err
     assert not cost.exists()
 
 

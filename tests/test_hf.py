@@ -309,3 +309,31 @@ def test_smollm2_stop_strings_and_sampling(smollm2_host):
     sampled = model.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.95,
                              return_dict_in_generate=True, custom_generate=dspark.hf.speculative("ngram", seed=1))
     assert sampled.sequences.shape[1] <= inputs["input_ids"].shape[1] + 16 and sampled.speculation.tau >= 1
+
+
+def test_sampling_is_fresh_per_call_unless_seeded(model):
+    """As in transformers: repeated sampled calls differ, torch.manual_seed repeats them; a seed is opt-in."""
+    inputs = left_padded([10])
+    settings = dict(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=0)
+    fn = dspark.hf.speculative("ngram")
+    first = model.generate(**inputs, **settings, custom_generate=fn)
+    assert not torch.equal(model.generate(**inputs, **settings, custom_generate=fn), first)
+    torch.manual_seed(7)
+    a = model.generate(**inputs, **settings, custom_generate=fn)
+    torch.manual_seed(7)
+    assert torch.equal(model.generate(**inputs, **settings, custom_generate=fn), a)
+    seeded = dspark.hf.speculative("ngram", seed=3)
+    assert torch.equal(model.generate(**inputs, **settings, custom_generate=seeded),
+                       model.generate(**inputs, **settings, custom_generate=seeded))
+
+
+def test_a_registered_name_is_not_read_as_a_folder(model, tmp_path, monkeypatch):
+    """speculative("dspark") from the repository root, where the package folder dspark/ exists, means the
+    registered drafter; a folder of that name (here with a bogus calibration.json) is never read."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dspark").mkdir()
+    (tmp_path / "dspark" / "calibration.json").write_text("{}")
+    inputs = left_padded([9])
+    expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    fn = dspark.hf.speculative("dspark", "threshold", threshold=0.5)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False, custom_generate=fn), expected)

@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
     "import verifiers",
     "from dspark import generate, load_host",
     "import dspark.cli, dspark.training.train",
+    "import dspark.engine.decode",
+    "from dspark.engine.protocol import Drafter, Verifier",
+    "import dspark.training.regenerate",
+    "import dspark.sweep",
     "import dspark; dspark.api.checkpoint_dir, dspark.metrics.summarize",
 ])
 def test_fresh_import(statement):

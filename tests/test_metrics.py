@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,20 @@ def test_compare_command(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{cut")
     assert main(["compare", "--run", a, "--against", str(tmp_path / "bad.json")]) == 1
     assert "not an eval JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, a, b", [("offset", 0, 32), ("limit", 32, 64), ("max_prompt_length", 512, 256),
+                                       ("heldout_fraction", 0.02, 0.01), ("max_new_tokens", 128, 64),
+                                       ("temperature", 0.0, 1.0), ("top_p", 1.0, 0.9), ("top_k", 0, 50),
+                                       ("seed", 0, 1), ("verifier", "full", "threshold"), ("threshold", None, 0.5)])
+def test_compare_refuses_results_that_differ_in_a_setting(tmp_path, capsys, key, a, b):
+    rows = [(0, 3, 2), (1, 3, 1), (1, 3, 3)]
+    first = _write(tmp_path / "a.json", _result(rows, requests=2), **{key: a})
+    second = _write(tmp_path / "b.json", _result(rows, requests=2), **{key: b})
+    assert main(["compare", "--run", first, "--against", second]) == 1
+    assert f"{key} {a!r} vs {b!r}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"{key} "):  # the library call refuses them too
+        paired_tau_ratio(json.loads(Path(first).read_text()), json.loads(Path(second).read_text()))
+    older = _write(tmp_path / "c.json", _result(rows, requests=2))  # written before the setting was recorded
+    assert main(["compare", "--run", first, "--against", older]) == 1
+    assert f"{key} {a!r} vs (not recorded)" in capsys.readouterr().err

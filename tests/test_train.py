@@ -181,7 +181,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     survivors = checkpoints(output)
     assert survivors
-    from dspark.training.train import load_host
+    from dspark.engine.models import load_host
 
     host = load_host(RANDOM_HOST, device=torch.device("cpu"), dtype=torch.float32)
     for checkpoint in survivors:  # every complete checkpoint is loadable, whatever the kill interrupted
@@ -276,3 +276,10 @@ def test_smollm2_sharegpt_smoke(tmp_path):
     print(f"SmolLM2 smoke: {time.perf_counter() - started:.0f} s, loss {train_loss[0]:.3f} -> {train_loss[-1]:.3f}")
     assert sum(train_loss[-5:]) / 5 < sum(train_loss[:5]) / 5
     assert path.name == "checkpoint-00000030"
+
+
+def test_resume_refuses_another_heldout_fraction(tmp_path):
+    """The held-out split is part of what a run trains on: a resume that changes it is refused."""
+    train(synthetic_config(tmp_path / "run", max_steps=2, save_every=2, eval_every=0))
+    with pytest.raises(ValueError, match=r"heldout_fraction \(0.02 -> 0.1\)"):
+        train(synthetic_config(tmp_path / "run", max_steps=4, save_every=2, eval_every=0, heldout_fraction=0.1))

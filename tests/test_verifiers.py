@@ -7,7 +7,7 @@ import torch
 from dspark.engine.protocol import Proposal
 from verifiers import VERIFIERS, build_verifier
 from verifiers.calibration import STSCalibrator
-from verifiers.cost_model import CostModel
+from verifiers.cost_model import CostModel, verify_tokens
 from verifiers.prefix_scheduler import (LaggedCapacityScheduler, PrefixScheduler, exhaustive_optimum,
                                         expected_throughput, schedule, survival)
 from verifiers.threshold import ThresholdVerifier
@@ -93,16 +93,52 @@ def test_threshold_applies_calibration():
     assert ThresholdVerifier(0.7, "position", calibrator=cal).lengths(proposal(c), K).tolist() == [0]
 
 
-def test_admitted_set_is_top_survival_prefixes():
+def test_every_request_verifies_up_to_one_width():
+    """The loop pads every row to the longest, so positions up to the chosen width are verified in every row."""
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
         R = int(torch.randint(1, 9, (1,), generator=g))
         a = survival(torch.rand(R, K, generator=g) * 0.5 + 0.5)
+        limit = torch.randint(0, K + 1, (R,), generator=g)
         for early_stop in (True, False):
-            ell = schedule(a, steep(), early_stop=early_stop)
-            admitted = torch.arange(1, K + 1) <= ell.unsqueeze(1)  # (R, K)
-            if admitted.any() and (~admitted).any():
-                assert float(a[admitted].min()) >= float(a[~admitted].max())
+            ell = schedule(a, steep(), early_stop=early_stop, limit=limit)
+            width = int(ell.max())
+            assert ell.tolist() == torch.minimum(torch.tensor(width), limit).tolist()
+
+
+def test_scheduler_prices_the_padded_verify_forward():
+    """Two requests, one confident and one not: a packed forward would verify the confident one's first draft at
+    B = 3 tokens, but the loop runs both rows at that width, B = 4, where the step is twice as slow."""
+    a = survival(torch.tensor([[0.95, 0.95], [0.05, 0.05]]))
+    table = [0.0, 100.0, 100.0, 100.0, 50.0, 50.0, 50.0]  # SPS indexed by B
+    assert verify_tokens(torch.tensor(1), 2) == 4 and verify_tokens(torch.tensor([0, 2]), 3).tolist() == [3, 9]
+    # Θ(width 0) = 2 * 100; Θ(width 1) = (2 + 0.95 + 0.05) * SPS(4) = 150: verify nothing
+    assert schedule(a, table).tolist() == [0, 0]
+    assert expected_throughput(a, torch.tensor([1, 0]), table) == pytest.approx(2.95 * 50.0)
+    assert expected_throughput(a, torch.tensor([1, 1]), table) == pytest.approx(3.0 * 50.0)
+    assert expected_throughput(a, torch.tensor([0, 0]), table) == pytest.approx(200.0)
+
+
+def test_priced_tokens_are_the_tokens_the_decode_loop_runs(tiny_host, monkeypatch):
+    """Every verify round of a real decode: the host step gets exactly verify_tokens(max ell, R) tokens."""
+    from drafters.ngram import NgramDrafter
+    from dspark.engine.decode import generate
+    from tests.conftest import random_prompts
+
+    steps = []
+    step = tiny_host.step
+    monkeypatch.setattr(tiny_host, "step", lambda cache, tokens, *a, **kw: (steps.append(tokens.shape),
+                                                                            step(cache, tokens, *a, **kw))[1])
+    prompts = random_prompts([12, 20, 9], tiny_host.vocab_size)
+    out = generate(tiny_host, prompts, drafter=NgramDrafter(), verifier=PrefixScheduler(steep()), draft_length=K,
+                   max_new_tokens=16)
+    rounds, chosen = steps[1:], out.log.verified  # after the prefill; the lengths the loop verified per round
+    assert len(rounds) == len(chosen) > 0
+    ragged = 0
+    for (R, T), ell in zip(rounds, chosen):
+        assert R * T == int(verify_tokens(ell.max(), R))  # what the scheduler priced is what ran
+        ragged += int((ell + 1).sum()) != R * T
+    assert ragged > 0  # rows verified different lengths, so a packed price would have been wrong
 
 
 def test_budget_shrinks_with_concurrency_and_grows_with_flat_cost():
@@ -133,7 +169,7 @@ def test_scheduler_never_beats_exhaustive_optimum_and_global_search_reaches_it()
 
 def test_early_stop_and_global_search_differ_across_an_sps_cliff():
     a = survival(torch.tensor([[0.9, 0.9, 0.9]]))
-    table = [0.0, 100.0, 40.0, 90.0, 90.0]  # a cliff at B = 2, recovery at B = 3
+    table = [0.0, 100.0, 40.0, 90.0, 90.0]  # a cliff at M = 2 tokens, recovery at M = 3
     # Θ(0) = 100, Θ(1) = 1.9 * 40 = 76: early stop verifies nothing; Θ(3) = 3.44 * 90 = 310 is the best cut
     assert schedule(a, table).tolist() == [0]
     assert schedule(a, table, early_stop=False).tolist() == [3]
@@ -171,8 +207,8 @@ def test_lagged_capacity_uses_only_old_confidences():
     assert int(v.capacity()) > capacities[0]
 
 
-def test_lagged_admits_top_current_candidates_and_follows_select():
-    cost = steep()
+def test_lagged_verifies_the_old_rounds_width_and_follows_select():
+    cost = CostModel.from_points({1: 100.0, 4: 100.0})
     v = LaggedCapacityScheduler(cost)
     v.begin(batch_size=4)
     old = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]).expand(4, K)
@@ -180,10 +216,12 @@ def test_lagged_admits_top_current_candidates_and_follows_select():
     v.lengths(proposal(old), K)
     v.select(torch.tensor([1, 3]))
     assert v.history[0][0].shape == (2, K)
-    n_cap = int(v.capacity())
+    width = int(v.capacity())
+    assert 0 < width < K
     cur = torch.tensor([[0.99] * K, [0.5] * K])
-    ell = v.lengths(proposal(cur), K)
-    assert int(ell.sum()) == n_cap and ell[0] >= ell[1]
+    assert v.lengths(proposal(cur), K).tolist() == [width, width]  # the whole width, whatever the confidences
+    v.lengths(proposal(cur), K)
+    assert v.lengths(proposal(cur, lengths=torch.tensor([1, K])), K).tolist() == [1, int(v.capacity())]
     v.begin(batch_size=2)
     assert len(v.history) == 0
 
@@ -208,5 +246,8 @@ def test_build_verifier_errors(tmp_path):
     cal = tmp_path / "sts.json"
     STSCalibrator(temperatures=[1.5] * K).save(cal)
     assert build_verifier("scheduler", cost_table=path, calibration=cal, positions=K).calibrator.positions == K
-    with pytest.raises(ValueError, match="3 are in use"):
-        build_verifier("scheduler", cost_table=path, calibration=cal, positions=3)
+    assert build_verifier("scheduler", cost_table=path, calibration=cal, positions=3).calibrator.positions == K
+    with pytest.raises(ValueError, match=f"fitted for {K} draft positions, but {K + 2} are in use"):
+        build_verifier("scheduler", cost_table=path, calibration=cal, positions=K + 2)
+    with pytest.raises(ValueError, match=f"fitted for {K} draft positions, but {K + 1} are in use"):
+        build_verifier("threshold", threshold=0.5, calibration=STSCalibrator.load(cal), positions=K + 1)

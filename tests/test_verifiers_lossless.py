@@ -77,7 +77,7 @@ def test_greedy_is_exact_under_every_policy(tiny_host, name):
 # ---- the counterexample: p = (0.7, 0.3), q = (0.5, 0.5) --------------------------------------------------------
 
 P = (0.7, 0.3)
-CLIFF = CostModel.from_points({1: 100.0, 2: 40.0, 3: 60.0})  # SPS(B) at B = 1 + ell for one request (K = 2)
+CLIFF = CostModel.from_points({1: 100.0, 2: 40.0, 3: 60.0})  # SPS(M) at M = 1 + ell for one request (K = 2)
 SMOOTH = CostModel.from_points({1: 100.0, 2: 90.0, 3: 80.0})
 N_SEEDS = 8000
 NEW_TOKENS = 6

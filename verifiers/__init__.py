@@ -33,8 +33,9 @@ def build_verifier(name: str, *, threshold: float | None = None, threshold_mode:
 
     threshold (+ threshold_mode): only for "threshold", required there. cost_table: a CostModel or a JSON path,
     required by the schedulers; a path is checked against expect_host / expect_device. calibration: an
-    STSCalibrator or a JSON path (checked against `positions` = K), applied to confidences by every policy that
-    reads them. Options a policy does not use are errors, so a misconfigured run fails instead of ignoring them.
+    STSCalibrator or a JSON path, applied to confidences by every policy that reads them; it must cover
+    `positions` = K (a fit at K' >= K serves K through its first K temperatures). Options a policy does not use
+    are errors, so a misconfigured run fails instead of ignoring them.
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; choose one of {sorted(VERIFIERS)}")
@@ -46,6 +47,8 @@ def build_verifier(name: str, *, threshold: float | None = None, threshold_mode:
         raise ValueError("calibration has no effect on the 'full' verifier, which ignores confidences")
     if isinstance(calibration, (str, Path)):
         calibration = STSCalibrator.load(calibration, expect_positions=positions)
+    elif calibration is not None and positions is not None:
+        calibration.check_positions(positions)  # fail before decoding, not in its first round
     if name == "full":
         return VerifyAll()
     if name == "threshold":

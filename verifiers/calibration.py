@@ -13,6 +13,9 @@ position k is known where reached; the survival label is known where k was reach
 rejected (then survival is 0). A verify-all log (scheduler off) reaches every position up to the first rejection,
 which is the cleanest input for fitting.
 
+A calibration fitted at K positions serves every draft length K' <= K (its first K' temperatures: the fit of
+position k never looks at later positions); K' > K is an error that says to refit at K'.
+
 STS JSON (`STSCalibrator.save`, format "dspark.sts", version 1):
     format, version   "dspark.sts", 1
     positions         K
@@ -168,12 +171,26 @@ class STSCalibrator:
         return cls(temperatures=temperatures, fit_size=sizes)
 
     def apply(self, c: torch.Tensor) -> torch.Tensor:
-        """Calibrated confidences c' (..., K), same shape, dtype and device as c."""
-        if c.shape[-1] != self.positions:
-            raise ValueError(f"STS calibrator was fitted for {self.positions} draft positions, but the confidences "
-                             f"have {c.shape[-1]}")
-        t = torch.tensor(self.temperatures, dtype=torch.float64, device=c.device)  # (K,)
+        """Calibrated confidences c' (..., K), same shape, dtype and device as c, for any K <= `positions`.
+
+        The fit is per position (t_k is chosen with t_1..t_{k-1} fixed, never looking at later positions), so
+        the first K temperatures are the calibration of a K-position drafter: a fit at gamma serves every draft
+        length up to gamma. Longer drafts have no temperatures and are an error (`check_positions`).
+        """
+        K = c.shape[-1]
+        self.check_positions(K)
+        t = torch.tensor(self.temperatures[:K], dtype=torch.float64, device=c.device)  # (K,)
         return _scale(c, t).to(c.dtype)
+
+    def check_positions(self, K: int, *, source: str = "") -> None:
+        """Refuse draft length K > `positions`: positions past the fit have no temperatures."""
+        if K > self.positions:
+            name = f" {source}" if source else ""
+            raise ValueError(
+                f"STS calibrator{name} was fitted for {self.positions} draft positions, but {K} are in use: it has "
+                f"no temperatures for positions {self.positions + 1}..{K}. Refit at the longest draft length you "
+                f"use (`dspark calibrate --draft-length {K}`; a fit at gamma serves every draft length up to "
+                f"gamma), or pass another --calibration")
 
     def save(self, path: str | Path) -> None:
         """Write the temperatures as JSON (schema in the module docstring)."""
@@ -183,7 +200,7 @@ class STSCalibrator:
 
     @classmethod
     def load(cls, path: str | Path, *, expect_positions: int | None = None) -> "STSCalibrator":
-        """Read a calibrator; a different number of positions than `expect_positions` is an error."""
+        """Read a calibrator; `expect_positions` (the draft length in use) beyond its positions is an error."""
         d = read_versioned_json(path, FORMAT, VERSION, what="STS calibration")
         unknown = sorted(set(d) - {"format", "version", "positions", "temperatures", "fit_size"})
         if unknown:
@@ -191,9 +208,8 @@ class STSCalibrator:
         cal = cls(temperatures=d["temperatures"], fit_size=d.get("fit_size", []))
         if d["positions"] != cal.positions:
             raise ValueError(f"{path} says {d['positions']} positions but holds {cal.positions} temperatures")
-        if expect_positions is not None and expect_positions != cal.positions:
-            raise ValueError(f"STS calibrator {path} was fitted for {cal.positions} draft positions, but "
-                             f"{expect_positions} are in use")
+        if expect_positions is not None:
+            cal.check_positions(expect_positions, source=str(path))
         return cal
 
 

@@ -1,12 +1,18 @@
-"""SPS(B): host verify steps per second at B tokens per forward, profiled once per host and device (DSPARK.md §4.3).
+"""SPS(M): host verify steps per second at M tokens per forward, profiled once per host and device (DSPARK.md §4.3).
 
-Shapes: R requests, T tokens per request in one forward, B = total tokens in the forward (R * T when profiling,
-Σ_r (1 + ell_r) when scheduling).
+Shapes: R requests, T tokens per request in one forward, M = total tokens in the forward (DSPARK.md's B; in this
+code B is always requests), R * T both when
+profiling and when scheduling: the decode loop verifies on a rectangular (R, L + 1) batch, L = max_r ell_r, so a
+round costs `verify_tokens` = R·(L + 1) tokens however the drafts are split between requests.
 
-The table is a list of profiled points (B_i, SPS_i) with B_i strictly increasing. Between points SPS is linearly
-interpolated. Below the first point it is clamped to SPS(B_0) (a smaller forward is never assumed faster than the
-smallest one measured). Above the last point the step time is extrapolated proportionally to B,
-SPS(B) = SPS(B_last) * B_last / B (the compute-bound regime), so the scheduler never treats unmeasured large
+What is timed is the loop's own verify call: each request holds `context` cached positions and the step attends
+the prefix the loop attends at that length (`host.step(..., attend=context + T)`, bucketed by the host), not the
+whole preallocated cache.
+
+The table is a list of profiled points (M_i, SPS_i) with M_i strictly increasing. Between points SPS is linearly
+interpolated. Below the first point it is clamped to SPS(M_0) (a smaller forward is never assumed faster than the
+smallest one measured). Above the last point the step time is extrapolated proportionally to M,
+SPS(M) = SPS(M_last) * M_last / M (the compute-bound regime), so the scheduler never treats unmeasured large
 batches as free.
 
 Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
@@ -20,11 +26,12 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     torch_version              torch.__version__ at profiling time
     batch_sizes                profiled numbers of requests R
     tokens_per_request         profiled tokens per request T
-    tokens                     B grid (int, strictly increasing)
-    sps                        verify steps per second at each B (float > 0)
+    context                    cached positions per request while timing (0 in hand-made tables)
+    tokens                     M grid (int, strictly increasing)
+    sps                        verify steps per second at each M (float > 0)
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
                                median over repeats; [] for hand-made tables
-When several (R, T) give the same B the slower one enters the table (conservative). `to_csv` writes the columns
+When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
 tokens, sps, step_ms.
 
 Engine JSON (`export_engine_json`, format "dspark.engine", version 1), for serving engines outside this package:
@@ -54,6 +61,9 @@ FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"
 VERSION = 1
 MODES = ("eager", "graph")
+#: cache positions beyond context + T allocated when profiling, so the host's bucketed attention window (a
+#: multiple of 64 positions, dspark.engine.host._bucket) is never cut short by the end of the cache
+ATTEND_SLACK = 64
 
 
 def device_description(device: torch.device | str) -> str:
@@ -66,10 +76,10 @@ def device_description(device: torch.device | str) -> str:
 
 @dataclass
 class CostModel:
-    """A profiled SPS(B) table with the metadata that says where it is valid."""
+    """A profiled SPS(M) table with the metadata that says where it is valid."""
 
-    tokens: list[int]  # B grid, strictly increasing, >= 1
-    sps: list[float]  # steps per second at each B, > 0
+    tokens: list[int]  # M grid, strictly increasing, >= 1
+    sps: list[float]  # steps per second at each M, > 0
     host: str = "hand-made"
     device: str = "any"
     dtype: str = ""
@@ -78,6 +88,7 @@ class CostModel:
     torch_version: str = ""
     batch_sizes: list[int] = field(default_factory=list)
     tokens_per_request: list[int] = field(default_factory=list)
+    context: int = 0
     points: list[dict] = field(default_factory=list)
     # why: a per-device copy of the grid, so calling the model on a CUDA tensor in the hot path does not copy
     # (and synchronise) every round
@@ -97,19 +108,19 @@ class CostModel:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
-    # ---- SPS(B) ----------------------------------------------------------------------------------------------
-    def __call__(self, B: torch.Tensor | int) -> torch.Tensor | float:
-        """SPS at B tokens: a float for an int, a float64 tensor of B's shape (on B's device) for a tensor."""
-        if isinstance(B, torch.Tensor):
-            return self._interpolate(B)
-        return float(self._interpolate(torch.tensor([B]))[0])
+    # ---- SPS(M) ----------------------------------------------------------------------------------------------
+    def __call__(self, M: torch.Tensor | int) -> torch.Tensor | float:
+        """SPS at M tokens: a float for an int, a float64 tensor of M's shape (on M's device) for a tensor."""
+        if isinstance(M, torch.Tensor):
+            return self._interpolate(M)
+        return float(self._interpolate(torch.tensor([M]))[0])
 
-    def _interpolate(self, B: torch.Tensor) -> torch.Tensor:
-        if B.device not in self._grids:
-            self._grids[B.device] = (torch.tensor(self.tokens, dtype=torch.float64, device=B.device),
-                                     torch.tensor(self.sps, dtype=torch.float64, device=B.device))
-        x, y = self._grids[B.device]  # (P,), (P,)
-        b = B.to(torch.float64)
+    def _interpolate(self, M: torch.Tensor) -> torch.Tensor:
+        if M.device not in self._grids:
+            self._grids[M.device] = (torch.tensor(self.tokens, dtype=torch.float64, device=M.device),
+                                     torch.tensor(self.sps, dtype=torch.float64, device=M.device))
+        x, y = self._grids[M.device]  # (P,), (P,)
+        b = M.to(torch.float64)
         above = y[-1] * x[-1] / b.clamp(min=1.0)  # proportional step time past the last point
         if len(x) == 1:
             return torch.where(b > x[-1], above, y[0].expand_as(b))
@@ -121,12 +132,12 @@ class CostModel:
     # ---- constructors ----------------------------------------------------------------------------------------
     @classmethod
     def flat(cls, sps: float = 100.0, *, up_to: int = 1 << 20) -> "CostModel":
-        """A cost curve that does not depend on B up to `up_to` tokens (the memory-bound ideal)."""
+        """A cost curve that does not depend on M up to `up_to` tokens (the memory-bound ideal)."""
         return cls(tokens=[1, up_to], sps=[sps, sps])
 
     @classmethod
     def from_points(cls, table: dict[int, float] | list[tuple[int, float]], /, **metadata) -> "CostModel":
-        """A table from {B: SPS} or [(B, SPS)]; metadata fields (host, device, ..., points) by keyword."""
+        """A table from {M: SPS} or [(M, SPS)]; metadata fields (host, device, ..., points) by keyword."""
         pairs = sorted(table.items() if isinstance(table, dict) else table)
         return cls(tokens=[b for b, _ in pairs], sps=[s for _, s in pairs], **metadata)
 
@@ -179,25 +190,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repeats: int = 10, warmup: int = 3,
-            max_len: int = 1024, mode: str = "eager", seed: int = 0) -> CostModel:
-    """Time `host.step` at every (R, T) of the grid and return the SPS(B = R*T) table.
+def verify_tokens(width: torch.Tensor, requests: int) -> torch.Tensor:
+    """Tokens in the verify forward of `requests` rows at verify width(s) `width` (long tensor, any shape): every
+    row carries the anchor plus `width` drafts, padded to the longest row as `dspark.engine.decode` runs it."""
+    return requests * (width + 1)
 
-    Each point: a fresh cache of R requests and `max_len` positions, random tokens (R, T), `warmup` untimed steps,
-    then the median of `repeats` timed steps. The cache is not advanced (steps overwrite the same positions), so
-    every repeat sees the same attention context. CUDA is synchronised around each timed step. `mode` records
-    whether the host step is eager or graph-captured; it is metadata, the host decides how it runs.
+
+def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], context: int = 256, repeats: int = 10,
+            warmup: int = 3, mode: str = "eager", seed: int = 0) -> CostModel:
+    """Time the decode loop's verify step at every (R, T) of the grid and return the SPS(M = R*T) table.
+
+    Each point: a fresh cache of R requests holding `context` positions, random tokens (R, T), `warmup` untimed
+    steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for a round at
+    that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same (bucketed) cache
+    prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
+    the same context. CUDA is synchronised around each timed step. `mode` records whether the host step is eager
+    or graph-captured; it is metadata, the host decides how it runs.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    if max(tokens_per_request) > max_len:
-        raise ValueError(f"tokens_per_request up to {max(tokens_per_request)} do not fit a cache of {max_len}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0 (cached positions per request), got {context!r}")
+    max_context = getattr(host, "max_context", None)
+    if max_context is not None and context + max(tokens_per_request) > max_context:
+        raise ValueError(f"context {context} + tokens_per_request up to {max(tokens_per_request)} do not fit the "
+                         f"host's context of {max_context}")
     device = torch.device(host.device)
     g = torch.Generator().manual_seed(seed)
     points = []
     for R in batch_sizes:
         for T in tokens_per_request:
-            cache = host.new_cache(R, max_len)
+            # why the slack: the host rounds `attend` up to its bucket; the cache must be at least that long, as
+            # the loop's (prompt + max_new_tokens + K + 2 positions) is
+            cache = host.new_cache(R, context + T + ATTEND_SLACK)
+            cache.advance(torch.full((R,), context, dtype=torch.long, device=device))
             tokens = torch.randint(host.vocab_size, (R, T), generator=g).to(device)  # (R, T)
             n_valid = torch.full((R,), T, dtype=torch.long, device=device)  # (R,)
             seconds = []
@@ -205,7 +231,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repe
                 for i in range(warmup + repeats):
                     _sync(device)
                     t0 = time.perf_counter()
-                    host.step(cache, tokens, n_valid)
+                    host.step(cache, tokens, n_valid, attend=context + T)
                     _sync(device)
                     if i >= warmup:
                         seconds.append(time.perf_counter() - t0)
@@ -219,7 +245,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], repe
                                  host=host.name, device=device_description(device), dtype=str(host.dtype),
                                  mode=mode, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                  torch_version=torch.__version__, batch_sizes=list(batch_sizes),
-                                 tokens_per_request=list(tokens_per_request), points=points)
+                                 tokens_per_request=list(tokens_per_request), context=context, points=points)
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:

@@ -1,20 +1,27 @@
-"""Hardware-aware prefix scheduling (DSPARK.md §4.3, Algorithm 1) and its lagged-capacity production variant.
+"""Hardware-aware prefix scheduling (DSPARK.md §4.3, Algorithm 1) and its lagged-capacity production variant,
+priced by the verify forward the decode loop actually runs.
 
-Shapes: R requests in the batch, K draft positions, N = R*K candidates (r, j).
+Shapes: R requests in the batch, K draft positions.
 
 Notation: c_{r,j} confidence, a_{r,j} = Π_{i<=j} c_{r,i} survival, ell_r verified drafts of request r,
-B = Σ_r (1 + ell_r) tokens in the verify forward, τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens,
-SPS(B) host verify steps per second, Θ = τ*·SPS(B) expected throughput.
+τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens, SPS(M) host verify steps per second at M tokens
+per forward (DSPARK.md's B; in this code B is always requests), Θ = τ*·SPS(M) expected throughput.
 
-Algorithm 1, vectorised: sort the N candidates by a descending (a is non-increasing in j, and the sort is stable,
-so each request's admitted candidates are a contiguous prefix j = 1..ell_r). Admitting the first n sorted
-candidates gives τ*(n) = R + cumsum(a)_n and B(n) = R + n, so Θ(n) for every cut is one cumsum. Early stop
-admits while Θ(n) > Θ(n − 1) and stops at the first non-improving candidate: the decision to admit a candidate
-then depends only on candidates with larger a, i.e. on drafts before it (non-anticipating, lossless). A global
-search takes argmax_n Θ(n), which looks at later candidates and is biased (kept as `GlobalSearchScheduler`).
+What a forward costs: `dspark.engine.decode` runs the verify step on a rectangular (R, L + 1) batch with L = max_r ell_r
+(every row padded to the longest; the host step has no packed/ragged form), so a round costs
+M = R·(L + 1) tokens (`verify_tokens`), not the Σ_r (1 + ell_r) of a packed forward that DSPARK.md's Algorithm 1
+assumes. Given the width L, positions j <= L of every row are computed anyway, so verifying them is free and only
+adds expected tokens: the best lengths at width L are ell_r = min(L, limit_r). The scheduler therefore chooses
+the width: Θ(L) = (R + Σ_r Σ_{j<=min(L, limit_r)} a_{r,j})·SPS(R·(L + 1)) for L = 0..K, one cumsum over depths.
+
+Early stop (Algorithm 1's rule, over depths): deepen while Θ(L) > Θ(L − 1), stop at the first depth that does not
+improve. Whether x_{r,j} is verified then depends only on survivals at depths <= j, i.e. on c_{r,<=j}, which
+depend only on x_{r,<j} (and on other requests, whose drafts are independent of this one's): non-anticipating,
+lossless. A global search takes argmax_L Θ(L), which looks at deeper survivals that depend on the drafts being
+decided about, and is biased (kept as `GlobalSearchScheduler`).
 
 `sps` arguments accept a `CostModel`, a vectorised callable mapping a long tensor of token counts to steps per
-second, or a 1-D table indexed by B (table[B] = SPS(B); index 0 unused).
+second, or a 1-D table indexed by M (table[M] = SPS(M); index 0 unused).
 """
 from __future__ import annotations
 
@@ -26,19 +33,19 @@ import torch
 
 from dspark.engine.protocol import Proposal, Verifier
 from verifiers.calibration import STSCalibrator, calibrated_confidence
-from verifiers.cost_model import CostModel
+from verifiers.cost_model import CostModel, verify_tokens
 
 SPS = CostModel | Callable[[torch.Tensor], torch.Tensor] | Sequence[float] | torch.Tensor
 
 
-def _sps_at(sps: SPS, B: torch.Tensor) -> torch.Tensor:
-    """SPS evaluated at token counts B (any shape, long) as float64 of the same shape."""
+def _sps_at(sps: SPS, M: torch.Tensor) -> torch.Tensor:
+    """SPS evaluated at token counts M (any shape, long) as float64 of the same shape."""
     if callable(sps):
-        return torch.as_tensor(sps(B), dtype=torch.float64, device=B.device).expand(B.shape)
-    table = torch.as_tensor(sps, dtype=torch.float64).to(B.device)
-    if B.numel() and int(B.max()) >= len(table):
-        raise ValueError(f"SPS table covers B <= {len(table) - 1} tokens, asked for B = {int(B.max())}")
-    return table[B]
+        return torch.as_tensor(sps(M), dtype=torch.float64, device=M.device).expand(M.shape)
+    table = torch.as_tensor(sps, dtype=torch.float64).to(M.device)
+    if M.numel() and int(M.max()) >= len(table):
+        raise ValueError(f"SPS table covers M <= {len(table) - 1} tokens, asked for M = {int(M.max())}")
+    return table[M]
 
 
 def survival(c: torch.Tensor) -> torch.Tensor:
@@ -46,60 +53,48 @@ def survival(c: torch.Tensor) -> torch.Tensor:
     return c.clamp(0.0, 1.0).cumprod(1)
 
 
-def _sorted_candidates(a: torch.Tensor, limit: torch.Tensor | None):
-    """Candidates sorted by a descending: (a_sorted (N,), row (N,), n_valid ()) ; invalid ones sort last as 0."""
+def _theta(a: torch.Tensor, limit: torch.Tensor | None, sps: SPS) -> torch.Tensor:
+    """Θ(L) for every verify width L = 0..K: (K+1,) float64, each row verifying min(L, limit_r) drafts."""
     R, K = a.shape
-    a = a.double().cummin(1).values  # why: guards contiguity; a no-op for products of c in [0, 1]
-    j = torch.arange(1, K + 1, device=a.device)  # (K,)
-    valid = torch.ones(R, K, dtype=torch.bool, device=a.device) if limit is None else j <= limit.view(R, 1)
-    key = torch.where(valid, a, torch.full_like(a, -1.0)).flatten()  # (N,)
-    key, order = torch.sort(key, descending=True, stable=True)
-    row = order // K  # (N,)
-    return key.clamp(min=0.0), row, valid.sum()
+    a = a.double().clamp(min=0.0)  # (R, K)
+    if limit is not None:  # a request never verifies past what it proposed: those positions add nothing
+        a = a * (torch.arange(1, K + 1, device=a.device) <= limit.view(R, 1))
+    tau = R + torch.cat([a.new_zeros(1), a.sum(0).cumsum(0)])  # (K+1,) τ*(L)
+    width = torch.arange(K + 1, device=a.device)  # (K+1,)
+    return tau * _sps_at(sps, verify_tokens(width, R))
 
 
-def _theta(a_sorted: torch.Tensor, R: int, sps: SPS) -> torch.Tensor:
-    """Θ(n) for n = 0..N admitted candidates: (N+1,) float64."""
-    N = a_sorted.shape[0]
-    tau = R + torch.cat([a_sorted.new_zeros(1), a_sorted.cumsum(0)])  # (N+1,) τ*(n)
-    B = R + torch.arange(N + 1, device=a_sorted.device)  # (N+1,)
-    return tau * _sps_at(sps, B)
-
-
-def _lengths(row: torch.Tensor, admitted: torch.Tensor, R: int) -> torch.Tensor:
-    """ell (R,) from the first `admitted` (0-dim tensor) sorted candidates; no device sync."""
-    take = (torch.arange(row.shape[0], device=row.device) < admitted).long()  # (N,)
-    return torch.zeros(R, dtype=torch.long, device=row.device).scatter_add_(0, row, take)
+def _at_width(width: torch.Tensor, R: int, limit: torch.Tensor | None) -> torch.Tensor:
+    """ell (R,) long = min(width, limit_r) for a 0-dim width; no device sync."""
+    ell = width.long().expand(R).clone()
+    return ell if limit is None else torch.minimum(ell, limit.long())
 
 
 def schedule(a: torch.Tensor, sps: SPS, *, early_stop: bool = True,
              limit: torch.Tensor | None = None) -> torch.Tensor:
-    """Algorithm 1: lengths ell (R,) long from survival a (R, K); `limit` (R,) caps ell_r (invalid positions).
+    """Lengths ell (R,) long from survival a (R, K); `limit` (R,) caps ell_r (what request r proposed).
 
-    early_stop=False is the biased global search (best cut of the whole sorted list).
+    Chooses the verify width L (module docstring): early stop deepens while Θ(L) > Θ(L − 1); early_stop=False is
+    the biased global search argmax_L Θ(L). Every row then verifies min(L, limit_r) drafts.
     """
     R, K = a.shape
     if R == 0 or K == 0:
         return torch.zeros(R, dtype=torch.long, device=a.device)
-    a_sorted, row, n_valid = _sorted_candidates(a, limit)
-    theta = _theta(a_sorted, R, sps)  # (N+1,)
-    n = torch.arange(1, theta.shape[0], device=a.device)  # (N,)
-    ok = n <= n_valid  # (N,) invalid candidates are never admitted
+    theta = _theta(a, limit, sps)  # (K+1,)
     if early_stop:
-        improving = (theta[1:] > theta[:-1]) & ok  # (N,) Θ(n) > Θ_best = Θ(n-1) while all before improved
-        admitted = improving.long().cumprod(0).sum()
+        width = (theta[1:] > theta[:-1]).long().cumprod(0).sum()  # leading run of improving depths
     else:
-        admitted = torch.where(torch.cat([ok.new_ones(1), ok]), theta, -1.0).argmax()  # first best cut
-    return _lengths(row, admitted, R)
+        width = theta.argmax()  # first best width
+    return _at_width(width, R, limit)
 
 
 def expected_throughput(a: torch.Tensor, lengths: torch.Tensor, sps: SPS) -> float:
-    """Θ = τ*·SPS(B) of lengths ell (R,) under survival a (R, K)."""
+    """Θ = τ*·SPS(M) of lengths ell (R,) under survival a (R, K), M = the padded forward `verify_tokens`."""
     R, K = a.shape
     j = torch.arange(1, K + 1, device=a.device)
     tau = R + (a.double() * (j <= lengths.view(R, 1))).sum()
-    B = R + lengths.sum()
-    return float(tau * _sps_at(sps, B.view(1))[0])
+    M = verify_tokens(lengths.max() if R else lengths.new_zeros(()), R)
+    return float(tau * _sps_at(sps, M.view(1))[0])
 
 
 def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
@@ -117,10 +112,10 @@ def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
 
 
 class PrefixScheduler(Verifier):
-    """Algorithm 1 with early stop: admit candidates by survival while expected throughput keeps rising.
+    """Algorithm 1 with early stop, over verify widths: deepen while expected throughput keeps rising.
 
-    Lossless: each admission depends only on candidates of higher survival, i.e. on drafts before it.
-    Without confidences every a = 1 and the cut is decided by the cost curve alone.
+    Lossless: verifying depth j depends only on survivals at depths <= j, i.e. on drafts before x_j.
+    Without confidences every a = 1 and the width is decided by the cost curve alone.
     """
 
     name = "scheduler"
@@ -134,9 +129,9 @@ class PrefixScheduler(Verifier):
 
 
 class GlobalSearchScheduler(PrefixScheduler):
-    """UNSAFE, NOT LOSSLESS: scans the whole sorted list and takes the best cut.
+    """UNSAFE, NOT LOSSLESS: scans every width and takes the best.
 
-    The cut looks at confidences of later candidates, which depend on earlier sampled drafts, so whether a draft
+    The choice looks at survivals of deeper positions, which depend on earlier sampled drafts, so whether a draft
     is verified depends on the drafts after it and the output distribution is biased (DSPARK.md §4.3: a target
     (0.7, 0.3) becomes (0.85, 0.15)). Kept only to demonstrate that bias in the losslessness tests.
     """
@@ -150,14 +145,15 @@ class GlobalSearchScheduler(PrefixScheduler):
 
 
 class LaggedCapacityScheduler(Verifier):
-    """Production variant: a batch capacity from confidences two rounds old, then top-capacity current candidates.
+    """Production variant: the batch's verify width from confidences two rounds old.
 
-    Round t: the capacity n_cap = argmax_n Θ(n) is a global search over cuts of round t − 2's sorted survivals of
+    Round t: the capacity L_cap = argmax_L Θ(L) is a global search over the widths of round t − 2's survivals of
     the requests still in the batch (allowed: those drafts are already verified, so the search cannot look at the
-    drafts it decides about, and it may cross jagged SPS cliffs). Then the current candidates are admitted top
-    n_cap by a_{r,j}; whether (r, j) is admitted depends only on candidates of higher survival, never on drafts
-    after x_{r,j}, so the policy is lossless. The first two rounds of a batch have no such history and fall back to
-    Algorithm 1 with early stop on the current round (also lossless).
+    drafts it decides about, and it may cross jagged SPS cliffs). The current round then verifies
+    ell_r = min(L_cap, limit_r): the forward is R·(L_cap + 1) tokens wide whatever the current confidences say,
+    and positions inside it cost nothing more (DSPARK.md's "top-capacity current candidates" is the packed-forward
+    form of the same rule). Nothing of the current round decides its lengths, so the policy is lossless. The first
+    two rounds of a batch have no such history and fall back to early stop on the current round (also lossless).
     """
 
     name = "lagged"
@@ -175,20 +171,15 @@ class LaggedCapacityScheduler(Verifier):
                              maxlen=self.lag)
 
     def capacity(self) -> torch.Tensor:
-        """n_cap (0-dim long) from the oldest stored round; needs `lag` rounds of history."""
+        """L_cap (0-dim long), the verify width, from the oldest stored round; needs `lag` rounds of history."""
         a_old, limit_old = self.history[0]
-        a_sorted, _, n_valid = _sorted_candidates(a_old, limit_old)
-        theta = _theta(a_sorted, a_old.shape[0], self.cost)  # (N+1,)
-        n = torch.arange(theta.shape[0], device=theta.device)
-        return torch.where(n <= n_valid, theta, -1.0).argmax()
+        return _theta(a_old, limit_old, self.cost).argmax()
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         a = survival(calibrated_confidence(proposal, K, self.calibrator))  # (R, K)
         if len(self.history) < self.lag:
             ell = schedule(a, self.cost, early_stop=True, limit=proposal.lengths)
-        else:
-            n_cap = self.capacity()  # decided before looking at this round's confidences
-            a_sorted, row, n_valid = _sorted_candidates(a, proposal.lengths)
-            ell = _lengths(row, torch.minimum(n_cap, n_valid), a.shape[0])
+        else:  # decided before looking at this round's confidences
+            ell = _at_width(self.capacity().clamp(max=K), a.shape[0], proposal.lengths)
         self.history.append((a, proposal.lengths))
         return ell

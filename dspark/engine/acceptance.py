@@ -10,7 +10,9 @@ noise stays keyed by the caller's counters.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -64,3 +66,16 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tens
     # a rejection has probability 0 when p == q, but float noise can leave a residual of ~0: fall back to p there
     residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
     return Acceptance(n_accepted=n, next_probs=torch.where(rejected.unsqueeze(1), residual, p_next))
+
+
+def expected_tau(conditional: Iterable[float] | torch.Tensor) -> float:
+    """tau (the bonus token included) implied by per-position conditional acceptances alpha_k under verify-all:
+    1 + sum_k prod_{i<=k} alpha_i, in float64; a NaN (a position never reached) ends the sum."""
+    values = conditional.double().tolist() if isinstance(conditional, torch.Tensor) else conditional
+    total, survive = 1.0, 1.0
+    for alpha in values:
+        if math.isnan(alpha):
+            break
+        survive *= alpha
+        total += survive
+    return total

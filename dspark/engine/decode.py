@@ -215,8 +215,9 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         ell = torch.minimum(ell, (remaining - 1).clamp(min=0).to(device))  # never verify past max_new_tokens
         # 3 verify: [x0, x1..xL] with L = max ell over the batch (the forward is only as wide as the longest
         # verified prefix, so a scheduler that shortens verification saves host compute); only the first
-        # ell+1 of each row are real. L is read on the CPU: VerifyAll knows it statically, others sync once.
-        L = K if verifier.static_length else int(ell.max())
+        # ell+1 of each row are real. Every row is padded to L + 1: the forward runs B * (L + 1) tokens.
+        L = _verify_width(verifier, proposal, ell, K, remaining)
+        ell = ell.clamp(max=L)  # a no-op unless a drafter's `width` understated its lengths
         tokens, q = tokens[:, :L], None if proposal.q is None else proposal.q[:, :L]
         inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, L+1)
         out = host.step(cache, inputs, ell + 1, taps=taps, attend=int(cache_len.max()) + L + 1)
@@ -265,6 +266,16 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
         log.time.append(time.perf_counter() - t0)
         _record_finished(live, request, latency, batch_start)
         rounds += 1
+
+
+def _verify_width(verifier, proposal: Proposal, ell: torch.Tensor, K: int, remaining: torch.Tensor) -> int:
+    """L, the drafts per row of the verify forward, read on the CPU: a static-length verifier (verify-all) knows it
+    without a device sync, K or the drafter's own `width` (n-gram, MTP-1 propose fewer than K), never more than
+    any row may still verify (remaining (B,) on the CPU); otherwise it is max ell, read from the device once."""
+    if verifier.static_length and (proposal.lengths is None or proposal.width is not None):
+        width = K if proposal.lengths is None else min(K, int(proposal.width))
+        return max(0, min(width, int(remaining.max()) - 1))
+    return int(ell.max())
 
 
 def _record_finished(live: torch.Tensor, request: torch.Tensor, latency: list[float], batch_start: float) -> None:

@@ -27,9 +27,22 @@ class StepOutput:
     features: torch.Tensor | None  # (B, T, F) raw outputs of the tapped layers, concatenated; None without taps
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, D) by cos/sin (B, T, D) of its absolute positions (from the host's rotary module,
+    so theta and any scaling are the host's). The host step and every drafter rotate through this one function."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of each token inside its document: packed documents restart at 0."""
+    B, T = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    index = torch.arange(T, device=document_ids.device).expand(B, T)
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return index - first  # (B, T)
 
 
 def _bucket(n: int, size: int = 64) -> int:
@@ -140,11 +153,8 @@ class Host:
         B, T = tokens.shape
         if document_ids is None:
             document_ids = torch.zeros(B, T, dtype=torch.long, device=tokens.device)
-        starts = torch.ones_like(document_ids, dtype=torch.bool)
-        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        positions = document_positions(document_ids)  # (B, T) position inside the document
         index = torch.arange(T, device=tokens.device).expand(B, T)
-        first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
-        positions = index - first  # (B, T) position inside the document
         same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # (B, T, T)
         with torch.no_grad():
             return self._run(tokens, positions, index, same_doc, lambda i, k, v: (k, v), taps, key_is_query=True)
@@ -154,7 +164,6 @@ class Host:
         B, T = tokens.shape
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = self.rotary(x, positions)  # (B, T, D)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
         query_pos = key_pos[:, :T] if key_is_query else positions  # index used for causality
         causal = key_pos.unsqueeze(1) <= query_pos.unsqueeze(-1)  # (B, T, W)
         if same_doc is not None:
@@ -177,8 +186,7 @@ class Host:
             if self.config.model_type == "qwen3":
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             keys, values = kv(i, k, v)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[window].to(q.dtype),
                                                scale=attn.scaling, enable_gqa=self.num_heads != self.num_kv_heads)

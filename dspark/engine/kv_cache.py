@@ -1,6 +1,6 @@
 """Preallocated, position-indexed KV cache with per-request lengths.
 
-Shapes: L layers, B requests, Hkv key/value heads, Tmax positions, D head dim, T tokens in a step.
+Shapes: NL layers, B requests, Hkv key/value heads, Tmax positions, D head dim, T tokens in a step.
 
 `lengths[b]` is the number of committed positions of request b. A step writes keys/values for its T tokens at
 positions lengths[b] + t whatever is valid (padding writes garbage past the valid end, which no valid query ever
@@ -19,8 +19,8 @@ class KVCache:
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, Tmax, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, Tmax, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (NL, B, Hkv, Tmax, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (NL, B, Hkv, Tmax, D)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
 
     @property

@@ -1,6 +1,6 @@
 """Host models: the real SmolLM2, local or cached Hugging Face checkpoints, and seeded random hosts.
 
-Shapes: V vocabulary, H hidden size, L decoder layers.
+Shapes: V vocabulary, H hidden size, NL decoder layers.
 
 `load_model_and_tokenizer(name)` understands four kinds of names:
 - a packaged host (`dspark.engine.packaged_hosts.PACKAGED_HOSTS`): `"smollm2"` (SmolLM2-135M-Instruct, the GGUF in
@@ -43,11 +43,11 @@ from transformers import (
     Qwen3Config,
 )
 
+from dspark.engine.host import SUPPORTED_MODEL_TYPES, Host
 from dspark.engine.packaged_hosts import PACKAGED_HOSTS, checked_gguf, sha256_file
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ATTN_IMPLEMENTATION = "sdpa"
 
 _LLAMA_8B = dict(  # Meta-Llama-3-8B
@@ -325,3 +325,36 @@ def _convert_gguf(gguf: Path, target: Path, *, eos_token_ids: tuple[int, ...] | 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return model, tokenizer
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" is the first CUDA device when there is one, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" is bf16 on CUDA and fp32 elsewhere (fp32 is what the losslessness tests use)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto",
+              device: str | torch.device = "auto") -> Host:
+    """The host model `name_or_path` (see `load_model_and_tokenizer`: a packaged host such as "smollm2" or
+    "qwen2.5-coder-1.5b", a .gguf file, a local directory, a cached hub id or "random:<shape>"), wrapped for the decode loop. `.model` is the transformers model, `.tokenizer` its
+    tokenizer (None for random hosts). The one dtype rule of the toolkit: "auto" is bf16 on CUDA and fp32
+    elsewhere; an explicit dtype is used as given."""
+    device = resolve_device(device)
+    model, tokenizer = load_model_and_tokenizer(name_or_path, dtype=resolve_dtype(dtype, device), device=device)
+    return Host(model, tokenizer, name=name_or_path)

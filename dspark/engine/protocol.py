@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.sampling import SamplingConfig
+from dspark.engine.sampling import STREAM_DRAFT, SamplingConfig, process, sample
 
 
 @dataclass
@@ -25,6 +25,10 @@ class Proposal:
     q: torch.Tensor | None = None  # (B, K, V) float32: the exact distributions x was sampled from; None = point mass
     confidence: torch.Tensor | None = None  # (B, K) in [0, 1]: P(x_k survives | x_<k survived)
     lengths: torch.Tensor | None = None  # (B,) long: valid proposals per request (<= K); None = all K
+    # the largest of `lengths` as a Python int, when the drafter knows it without reading the device (n-gram
+    # lookups run on the CPU, MTP-1 always proposes 1); lets verify-all size its forward to what was proposed
+    # without a device sync. None = not known (the loop then reads it from the device when it needs it)
+    width: int | None = None
 
 
 @dataclass
@@ -46,6 +50,15 @@ class DraftState:
     def anchor(self) -> torch.Tensor:
         """(B,) the last committed token of each request."""
         return self.seq.gather(1, (self.seq_len - 1).unsqueeze(1)).squeeze(1)
+
+    def draw(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft position k of this round from draft logits (B, V): the exact distribution q (B, V) the token is
+        drawn from, and the token (B,) (the argmax when greedy). The noise is keyed by (round, k), fresh every
+        round and never shared with the host's streams."""
+        q = process(logits, self.sampling)
+        if self.sampling.greedy:
+            return q, logits.argmax(-1)
+        return q, sample(q, self.seeds, self.rounds * 1024 + k, STREAM_DRAFT)  # K < 1024: keys never collide
 
 
 class Drafter:
@@ -92,7 +105,7 @@ class Verifier:
     #: False only for the deliberately biased global search kept for the losslessness demonstration
     lossless: bool = True
     #: True when every length is K (or the drafter's own lengths): the decode loop then sizes the verify
-    #: forward as K + 1 without reading the lengths back from the device
+    #: forward as K + 1, or as the drafter's `Proposal.width` + 1, without reading the lengths back from the device
     static_length: bool = False
 
     def begin(self, *, batch_size: int) -> None:

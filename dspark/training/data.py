@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 Split = Literal["train", "heldout", "all"]
 OnError = Literal["skip", "raise"]
+#: default share of conversations in the held-out split; a trained drafter's own value is in its checkpoint's
+#: trainer_state.json, and `dspark eval` uses that one
+HELDOUT_FRACTION = 0.02
 
 ROLES = {
     "user": "user", "human": "user",
@@ -79,13 +82,11 @@ class TokenizedChat:
 
 @dataclass
 class ChatBatch:
-    """Right-padded batch: input_ids, loss_mask, attention_mask, position_ids (restarting per document)
-    and document_ids (-1 on padding), all (B, T)."""
+    """Right-padded batch: input_ids, loss_mask and document_ids (-1 on padding), all (B, T). Positions restart
+    per document where the host step reads them (`dspark.engine.host.document_positions`)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
     document_ids: torch.Tensor
 
     def to(self, device: str | torch.device) -> ChatBatch:
@@ -104,7 +105,7 @@ def load_conversations(
     source: str,
     *,
     split: Split = "train",
-    heldout_fraction: float = 0.02,
+    heldout_fraction: float = HELDOUT_FRACTION,
     seed: int = 0,
     limit: int | None = None,
     on_error: OnError = "skip",
@@ -380,50 +381,16 @@ def pack(examples: list[TokenizedChat], *, seq_len: int) -> list[TokenizedChat]:
     return packed
 
 
-class ChatDataset(torch.utils.data.Dataset):
-    """Map-style dataset over tokenised (optionally packed) chats; batch with `collate`."""
-
-    def __init__(self, examples: list[TokenizedChat]) -> None:
-        self.examples = examples
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> TokenizedChat:
-        return self.examples[index]
-
-
 def collate(examples: list[TokenizedChat], *, pad_token_id: int) -> ChatBatch:
     """Right-pad to the longest example: every field (B, T). Use functools.partial for a DataLoader."""
     T = max(len(e.input_ids) for e in examples)
     B = len(examples)
     input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)  # (B, T)
     loss_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    position_ids = torch.zeros(B, T, dtype=torch.long)  # (B, T)
     document_ids = torch.full((B, T), -1, dtype=torch.long)  # (B, T)
     for b, example in enumerate(examples):
         n = len(example.input_ids)
         input_ids[b, :n] = torch.tensor(example.input_ids)
         loss_mask[b, :n] = torch.tensor(example.loss_mask)
-        attention_mask[b, :n] = 1
-        documents = torch.tensor(example.document_ids)
-        document_ids[b, :n] = documents
-        # why restart positions per document: a packed chat must see the same RoPE positions as alone.
-        starts = torch.cat([torch.ones(1, dtype=torch.bool), documents[1:] != documents[:-1]])
-        start_index = torch.where(starts, torch.arange(n), 0).cummax(0).values
-        position_ids[b, :n] = torch.arange(n) - start_index
-    return ChatBatch(input_ids, loss_mask, attention_mask, position_ids, document_ids)
-
-
-def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids (-1 = padding) -> (B, 1, T, T) bool mask: causal and within one document.
-
-    Padding positions attend to themselves only: a fully masked row makes sdpa return NaN.
-    """
-    T = document_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()  # (T, T)
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-    real = (document_ids >= 0)[:, None, :]  # (B, 1, T) keys that are tokens
-    eye = torch.eye(T, dtype=torch.bool, device=document_ids.device)  # (T, T)
-    return ((same & causal & real) | eye)[:, None]  # (B, 1, T, T)
+        document_ids[b, :n] = torch.tensor(example.document_ids)
+    return ChatBatch(input_ids, loss_mask, document_ids)

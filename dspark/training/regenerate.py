@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
 from tqdm.auto import tqdm
 
 from dspark.config import parse
 from dspark.engine.decode import generate
 from dspark.engine.host import Host
-from dspark.engine.models import load_model_and_tokenizer, render_chat
+from dspark.engine.models import load_host, render_chat
+from dspark.engine.runtime import tune_cpu_allocator
 from dspark.engine.sampling import SamplingConfig
 from dspark.training.data import load_conversations, prompts
 
@@ -60,6 +60,7 @@ class RegenerateConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed, combined with each conversation id"})
     batch_size: int = field(default=16, metadata={"help": "prompts decoded together (and written per batch)"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_length", "max_new_tokens", "batch_size"):
@@ -102,18 +103,17 @@ def completed_ids(path: Path) -> set[str]:
     return done
 
 
-def load_host(name: str, device: str) -> Host:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=device)
-    if tokenizer is None:
+def load_chat_host(name: str, device: str, dtype: str = "auto") -> Host:
+    """The host for regeneration (dtype "auto": bf16 on CUDA, fp32 elsewhere); it must have a tokenizer."""
+    host = load_host(name, device=device, dtype=dtype)
+    if host.tokenizer is None:
         raise ValueError(f"host {name!r} has no tokenizer: regeneration renders chat prompts and decodes text")
-    return Host(model, tokenizer, name=name)
+    return host
 
 
 def regenerate(cfg: RegenerateConfig, host: Host | None = None) -> Path:
     """Write (or complete) cfg.output with the host's responses to the dataset's prompts; returns its path."""
-    host = host or load_host(cfg.host, cfg.device)
+    host = host or load_chat_host(cfg.host, cfg.device, cfg.dtype)
     tokenizer = host.tokenizer
     output = Path(cfg.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,6 @@ def main_regenerate(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from dspark.api import tune_cpu_allocator
 
     tune_cpu_allocator()  # as the `dspark` command does
     main_regenerate(sys.argv[1:])

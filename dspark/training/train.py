@@ -54,16 +54,20 @@ from tqdm.auto import tqdm
 
 from drafters.base import TrainBatch, TrainOutput
 from dspark.config import from_dict, parse, to_dict
+from dspark.engine.acceptance import expected_tau
 from dspark.engine.host import Host
-from dspark.training.data import TokenizedChat, collate, load_conversations, pack, tokenize_conversations
+from dspark.engine.jsonio import write_json_atomic
+from dspark.engine.models import load_host
+from dspark.engine.runtime import tune_cpu_allocator
+from dspark.training.data import HELDOUT_FRACTION, TokenizedChat, collate, load_conversations, pack, tokenize_conversations
 
 logger = logging.getLogger(__name__)
 
 DRAFTERS = ("dspark", "dflash", "eagle3", "mtp")
 CHECKPOINT_PREFIX = "checkpoint-"
 # settings that fix the data order, the model or the optimisation path: a resumed run must not change them
-_RESUME_FIXED = ("host", "drafter", "drafter_args", "data", "data_limit", "max_length", "seq_len", "batch_size",
-                 "grad_accum", "seed", "lr", "weight_decay", "warmup_ratio", "max_grad_norm")
+_RESUME_FIXED = ("host", "drafter", "drafter_args", "data", "data_limit", "heldout_fraction", "max_length", "seq_len",
+                 "batch_size", "grad_accum", "seed", "lr", "weight_decay", "warmup_ratio", "max_grad_norm")
 
 
 @dataclass
@@ -82,7 +86,9 @@ class TrainConfig:
     data_limit: Optional[int] = field(default=None, metadata={"help": "use at most this many training conversations"})
     on_error: Literal["skip", "raise"] = field(default="skip", metadata={
         "help": "malformed data records: skip them (each logged as file:line) or raise at the first (file:line)"})
-    heldout_fraction: float = field(default=0.02, metadata={"help": "fraction of conversations held out for eval"})
+    heldout_fraction: float = field(default=HELDOUT_FRACTION, metadata={
+        "help": "fraction of conversations held out for eval; kept in every checkpoint (trainer_state.json), where "
+                "`dspark eval` reads it, so eval's held-out prompts are the ones this run never trained on"})
     max_length: int = field(default=2048, metadata={"help": "tokens kept per conversation (ShareGPT chats are long)"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per packed training sequence"})
     batch_size: int = field(default=4, metadata={"help": "packed sequences per process per micro-batch"})
@@ -215,11 +221,6 @@ def make_batch(host: Host, rows: list[TokenizedChat], *, taps: tuple[int, ...], 
                       features=out.features, host_logits=host_logits, generator=generator)
 
 
-def expected_tau(acceptance: torch.Tensor) -> float:
-    """tau = 1 + sum_k prod_{i<=k} acc_i from conditional acceptance (K,) (the bonus token included)."""
-    return 1.0 + float(torch.cumprod(acceptance.double(), 0).sum())
-
-
 def _summary(outputs: list[TrainOutput], accelerator: Accelerator) -> dict[str, Any]:
     """Mean loss, loss parts and acceptance over micro-batches and processes."""
     keys = sorted(k for k in outputs[0].metrics if k not in ("loss", "acceptance"))  # those two come from fields
@@ -254,10 +255,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=1))
-
-
 def optimizer_to_files(state_dict: dict, directory: Path) -> None:
     """optimizer.safetensors (every tensor, "state.<index>.<name>") + optimizer.json (everything else)."""
     tensors, plain = {}, {}
@@ -269,7 +266,7 @@ def optimizer_to_files(state_dict: dict, directory: Path) -> None:
             else:
                 plain[str(index)][name] = value
     save_file(tensors, directory / "optimizer.safetensors")
-    _write_json(directory / "optimizer.json", {"state": plain, "param_groups": state_dict["param_groups"]})
+    write_json_atomic(directory / "optimizer.json", {"state": plain, "param_groups": state_dict["param_groups"]})
 
 
 def optimizer_from_files(directory: Path) -> dict:
@@ -305,9 +302,10 @@ def save_checkpoint(*, accelerator: Accelerator, drafter, optimizer, scheduler, 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         optimizer_to_files(optimizer.state_dict(), staging)
-        _write_json(staging / "scheduler.json", scheduler.state_dict())
+        write_json_atomic(staging / "scheduler.json", scheduler.state_dict())
         version, internal, gauss = random.getstate()
-        _write_json(staging / "trainer_state.json", {**trainer_state, "python_rng": [version, list(internal), gauss]})
+        write_json_atomic(staging / "trainer_state.json",
+                          {**trainer_state, "python_rng": [version, list(internal), gauss]})
         _fsync_tree(staging)
         if final.exists():  # only when this step was saved before (a resume that had nothing left to do)
             shutil.rmtree(final)
@@ -404,13 +402,6 @@ def _peak_memory_gb(device: torch.device) -> float:
 # The loop
 
 
-def load_host(name: str, *, device: torch.device, dtype: torch.dtype) -> Host:
-    from dspark.engine.models import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=device)
-    return Host(model, tokenizer, name=name)
-
-
 def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | None:
     """The checkpoint to resume from (None = fresh start), after cleaning debris of a killed save."""
     if accelerator.is_main_process:
@@ -437,28 +428,43 @@ def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | N
     return latest
 
 
-def train(cfg: TrainConfig, host: Host | None = None) -> Path:
-    """Train cfg.drafter on cfg.host (or on an already loaded `host`, moved to the training device); returns the
-    final checkpoint directory (a `load_drafter` path)."""
+@dataclass
+class Run:
+    """Everything one training run holds between steps: built by `setup`, advanced by `train_step`."""
+
+    cfg: TrainConfig
+    output: Path
+    accelerator: Accelerator
+    host: Host
+    drafter: Any
+    trainable: list
+    taps: tuple[int, ...]
+    pad_token_id: int
+    order: DataOrder
+    train_rows: list[TokenizedChat]
+    eval_rows: list[TokenizedChat]
+    steps_per_epoch: int
+    total: int
+    optimizer: Any
+    scheduler: Any
+    use_bf16: bool
+    model: Any = None  # the accelerate-prepared Objective, set once resume decided the metrics file
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+
+
+def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, accelerator: Accelerator) -> Run:
+    """Host, drafter (fresh, or the checkpoint's weights when resuming), data order, optimizer and schedule."""
     from drafters import build_drafter, load_drafter
     from transformers import get_cosine_schedule_with_warmup
 
-    # why check here: accelerate only warns and logs nowhere when the tracker's package is missing
-    if cfg.report_to == "wandb" and not is_wandb_available():
-        raise ImportError("--report-to wandb needs the wandb package: pip install wandb")
-    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
-        raise ImportError("--report-to tensorboard needs tensorboard or tensorboardX: pip install tensorboardX")
-    if cfg.report_to == "wandb":
-        os.environ.setdefault("WANDB_MODE", "offline")  # why: no login or network needed; sync later by hand
-    output = Path(cfg.output)
-    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(output))
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     use_bf16 = cfg.bf16 and device.type == "cuda"
-
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
-    resume_from = _start(cfg, output, accelerator)
     torch.manual_seed(cfg.seed)  # drafter initialisation
     if host is None:
         host = load_host(cfg.host, device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
@@ -499,84 +505,124 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
 
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total), total)
+    return Run(cfg=cfg, output=Path(cfg.output), accelerator=accelerator, host=host, drafter=drafter,
+               trainable=trainable, taps=taps, pad_token_id=pad_token_id, order=order, train_rows=train_rows,
+               eval_rows=eval_rows, steps_per_epoch=steps_per_epoch, total=total, optimizer=optimizer,
+               scheduler=scheduler, use_bf16=use_bf16)
+
+
+def resume(run: Run, resume_from: Path | None) -> int:
+    """Optimizer, schedule, RNG and metrics of `resume_from` (None: a fresh start); returns the step to go on from."""
+    accelerator, output = run.accelerator, run.output
     step = 0
     if resume_from is not None:
         trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
-        optimizer.load_state_dict(optimizer_from_files(resume_from))
-        scheduler.load_state_dict(json.loads((resume_from / "scheduler.json").read_text()))
+        run.optimizer.load_state_dict(optimizer_from_files(resume_from))
+        run.scheduler.load_state_dict(json.loads((resume_from / "scheduler.json").read_text()))
         restore_rng(resume_from, trainer_state, accelerator)
         step = trainer_state["step"]
-        if trainer_state["world_size"] != world and accelerator.is_main_process:
+        if trainer_state["world_size"] != accelerator.num_processes and accelerator.is_main_process:
             logger.warning("resuming a %d-process run on %d processes: the global batch and the data order "
-                           "change from here on", trainer_state["world_size"], world)
+                           "change from here on", trainer_state["world_size"], accelerator.num_processes)
         if accelerator.is_main_process:
             _truncate_metrics(output / "metrics.jsonl", step)
         if accelerator.is_main_process:
             logger.info("resumed from %s at step %d", resume_from, step)
     elif accelerator.is_main_process:
         (output / "metrics.jsonl").unlink(missing_ok=True)
+    return step
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step (grad_accum micro-batches) from `step`; returns its metrics record (step = step + 1)."""
+    cfg, accelerator, model = run.cfg, run.accelerator, run.model
+    rank, world = accelerator.process_index, accelerator.num_processes
+    started = time.perf_counter()
+    outputs, tokens = [], 0
+    for a in range(cfg.grad_accum):
+        micro = step * cfg.grad_accum + a
+        rows = run.order.rows_of(micro)
+        batch = make_batch(run.host, rows, taps=run.taps, device=run.device, pad_token_id=run.pad_token_id,
+                           autocast=run.autocast, generator=_generator(run.device, cfg.seed, micro, rank, world))
+        tokens += sum(len(r.input_ids) for r in rows)
+        # why no_sync: gradients are all-reduced once per optimizer step, not per micro-batch
+        with accelerator.no_sync(model) if a < cfg.grad_accum - 1 else nullcontext():
+            with run.autocast():
+                out = model(batch)
+            accelerator.backward(out.loss / cfg.grad_accum)
+        outputs.append(out)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable,
+                                               cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    step += 1
+    record = {"kind": "train", "step": step, "epoch": step * cfg.grad_accum / run.order.per_epoch,
+              **_summary(outputs, accelerator), "lr": lr, "grad_norm": float(grad_norm)}
+    seconds = time.perf_counter() - started
+    record["tokens_per_s"] = tokens * world / seconds
+    record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
+    record["time"] = time.time()
+    record["peak_mem_gb"] = _peak_memory_gb(run.device)
+    return record
+
+
+def train(cfg: TrainConfig, host: Host | None = None) -> Path:
+    """Train cfg.drafter on cfg.host (or on an already loaded `host`, moved to the training device); returns the
+    final checkpoint directory (a `load_drafter` path)."""
+    # why check here: accelerate only warns and logs nowhere when the tracker's package is missing
+    if cfg.report_to == "wandb" and not is_wandb_available():
+        raise ImportError("--report-to wandb needs the wandb package: pip install wandb")
+    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
+        raise ImportError("--report-to tensorboard needs tensorboard or tensorboardX: pip install tensorboardX")
+    if cfg.report_to == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")  # why: no login or network needed; sync later by hand
+    output = Path(cfg.output)
+    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(output))
+    world = accelerator.num_processes
+    resume_from = _start(cfg, output, accelerator)
+    run = setup(cfg, host, resume_from, accelerator)
+    step = resume(run, resume_from)
     if accelerator.is_main_process:
         (output / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    model = accelerator.prepare_model(Objective(drafter))
+    run.model = model = accelerator.prepare_model(Objective(run.drafter))
     accelerator.init_trackers(cfg.project, config=to_dict(cfg), init_kwargs={
         "wandb": {"dir": str(output), "name": output.name}})
     metrics_file = output / "metrics.jsonl"
-    n_params = sum(p.numel() for p in trainable)
+    n_params = sum(p.numel() for p in run.trainable)
     if accelerator.is_main_process:
         logger.info("training %s (%.2fM trainable parameters) on %s: %d packed rows, %d steps/epoch, %d steps, "
-                    "%d process(es)", cfg.drafter, n_params / 1e6, cfg.host, len(train_rows), steps_per_epoch, total,
-                    world)
+                    "%d process(es)", cfg.drafter, n_params / 1e6, cfg.host, len(run.train_rows),
+                    run.steps_per_epoch, run.total, world)
 
     def state(step: int) -> dict:
         micro = step * cfg.grad_accum
-        return {"step": step, "micro_batches": micro, "epoch": micro // order.per_epoch,
-                "micro_in_epoch": micro % order.per_epoch, "world_size": world, "config": to_dict(cfg)}
+        return {"step": step, "micro_batches": micro, "epoch": micro // run.order.per_epoch,
+                "micro_in_epoch": micro % run.order.per_epoch, "world_size": world, "config": to_dict(cfg)}
 
     def save(step: int) -> Path:
         return save_checkpoint(accelerator=accelerator, drafter=accelerator.unwrap_model(model).drafter,
-                               optimizer=optimizer, scheduler=scheduler, trainer_state=state(step), output=output,
-                               keep=cfg.keep_checkpoints)
+                               optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=state(step),
+                               output=output, keep=cfg.keep_checkpoints)
 
+    total = run.total
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.drafter}", unit="step",
                disable=not accelerator.is_main_process)
     last_saved = resume_from
     model.train()
     while step < total:
-        started = time.perf_counter()
-        outputs, tokens = [], 0
-        for a in range(cfg.grad_accum):
-            micro = step * cfg.grad_accum + a
-            rows = order.rows_of(micro)
-            batch = make_batch(host, rows, taps=taps, device=device, pad_token_id=pad_token_id, autocast=autocast,
-                               generator=_generator(device, cfg.seed, micro, rank, world))
-            tokens += sum(len(r.input_ids) for r in rows)
-            # why no_sync: gradients are all-reduced once per optimizer step, not per micro-batch
-            with accelerator.no_sync(model) if a < cfg.grad_accum - 1 else nullcontext():
-                with autocast():
-                    out = model(batch)
-                accelerator.backward(out.loss / cfg.grad_accum)
-            outputs.append(out)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        record = {"kind": "train", "step": step, "epoch": step * cfg.grad_accum / order.per_epoch,
-                  **_summary(outputs, accelerator), "lr": lr, "grad_norm": float(grad_norm)}
-        seconds = time.perf_counter() - started
-        record["tokens_per_s"] = tokens * world / seconds
-        record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
-        record["time"] = time.time()
-        record["peak_mem_gb"] = _peak_memory_gb(device)
+        record = train_step(run, step)
+        step = record["step"]
         log_metrics(record, accelerator=accelerator, metrics_file=metrics_file)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}",
                         acc=" ".join(f"{a:.2f}" for a in record["acceptance"]))
-        if eval_rows and (step % cfg.eval_every == 0 or step == total):
-            log_metrics({"kind": "eval", "step": step, **evaluate(host, model, eval_rows, cfg=cfg, taps=taps,
-                                                                  accelerator=accelerator, pad_token_id=pad_token_id,
-                                                                  autocast=autocast)},
+        if run.eval_rows and (step % cfg.eval_every == 0 or step == total):
+            log_metrics({"kind": "eval", "step": step, **evaluate(run.host, model, run.eval_rows, cfg=cfg,
+                                                                  taps=run.taps, accelerator=accelerator,
+                                                                  pad_token_id=run.pad_token_id,
+                                                                  autocast=run.autocast)},
                         accelerator=accelerator, metrics_file=metrics_file)
         if step % cfg.save_every == 0 or step == total:
             last_saved = save(step)
@@ -618,7 +664,6 @@ def main_train(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from dspark.api import tune_cpu_allocator
 
     tune_cpu_allocator()  # as the `dspark` command does
     main_train(sys.argv[1:])

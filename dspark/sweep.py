@@ -12,7 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dspark.api import resolve_verifier
+from dspark.engine.decode import generate
+from dspark.engine.sampling import SamplingConfig
 from dspark.metrics import markdown_table, summarize
+from dspark.quickstart import environment
 
 
 def fill_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -29,23 +33,19 @@ def break_even(rows: list[dict]) -> dict[int, int | None]:
     return out
 
 
-def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Path:
-    from matplotlib.figure import Figure
+def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, eval_opts, sweep_opts, host_name: str,
+              label: str, argv=None) -> Path:
+    """Decode `base` (cycled to each batch size) plainly and with `drafter` at every gamma; write the report."""
+    from matplotlib.figure import Figure  # why here: matplotlib is slow to import and only the report needs it
 
-    from dspark.api import load_host, resolve_drafter, resolve_verifier
-    from dspark.cli import _drafter_label, eval_prompts
-    from dspark.engine.decode import generate
-    from dspark.quickstart import environment
-    from dspark.engine.sampling import SamplingConfig
-
-    host = load_host(host_opts.host, dtype=host_opts.dtype, device=host_opts.device)
-    drafter = resolve_drafter(host, None if decode_opts.drafter == "none" and decode_opts.drafter_path
-                              else decode_opts.drafter, drafter_path=decode_opts.drafter_path)
-    if drafter is None:
-        raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
-    label = _drafter_label(decode_opts)
-    base = eval_prompts(host, eval_opts)
     sampling = SamplingConfig(temperature=decode_opts.temperature, top_k=decode_opts.top_k, top_p=decode_opts.top_p)
+    def verifier_for(gamma: int):
+        return resolve_verifier(host, decode_opts.verifier, draft_length=gamma, drafter_path=decode_opts.drafter_path,
+                                threshold=decode_opts.threshold, cost_table=decode_opts.cost_table,
+                                calibration=decode_opts.calibration)
+
+    for gamma in sweep_opts.draft_lengths:  # a calibration too short for a gamma fails here, before any decoding
+        verifier_for(gamma)
     rows = []
     for B in sweep_opts.batch_sizes:
         prompts = fill_prompts(base, B)
@@ -54,10 +54,8 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
         plain = summarize(generate(host, prompts, **common), draft_length=0)
         rows.append({"batch_size": B, "method": "plain", **plain, "speedup": 1.0})
         for gamma in sweep_opts.draft_lengths:
-            verifier = resolve_verifier(host, decode_opts.verifier, draft_length=gamma,
-                                        drafter_path=decode_opts.drafter_path, threshold=decode_opts.threshold,
-                                        cost_table=decode_opts.cost_table, calibration=decode_opts.calibration)
-            result = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=gamma, **common)
+            result = generate(host, prompts, drafter=drafter, verifier=verifier_for(gamma), draft_length=gamma,
+                              **common)
             m = summarize(result, draft_length=gamma)
             rows.append({"batch_size": B, "method": f"{label}/{decode_opts.verifier}", **m,
                          "speedup": m["tokens_per_s"] / plain["tokens_per_s"]})
@@ -66,8 +64,9 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
     out = Path(sweep_opts.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(host.device)
-    doc = {"command": "dspark sweep " + " ".join(argv or []), "environment": env, "host": host_opts.host,
+    doc = {"command": "dspark sweep " + " ".join(argv or []), "environment": env, "host": host_name,
            "drafter": label, "drafter_path": decode_opts.drafter_path, "verifier": decode_opts.verifier,
+           "data": eval_opts.data, "split": eval_opts.split, "heldout_fraction": eval_opts.heldout_fraction,
            "temperature": decode_opts.temperature, "break_even_batch_size": break_even(rows), "results": rows}
     (out / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
     table = markdown_table(rows, [("batch_size", "B"), ("method", "method"), ("draft_length", "γ"), ("tau", "τ"),
@@ -83,7 +82,7 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
         ax.plot(*zip(*pts), marker="o", label=f"γ = {gamma}")
     ax.axhline(1.0, color="0.5", ls="--", lw=1)
     ax.set(xscale="log", xlabel="concurrency (batch size)", ylabel="tokens/s ÷ plain decoding",
-           title=f"{label} on {host_opts.host} ({env['gpu'] or 'CPU'})")
+           title=f"{label} on {host_name} ({env['gpu'] or 'CPU'})")
     ax.legend()
     fig.savefig(out / "sweep.png", dpi=110)
     print(table)

@@ -1,0 +1,250 @@
+"""What every experiment runner shares: options, prompts per domain, drafters and policies by name, the decode
+backend, one result row per decode, and writing `NAME.json` / `NAME.md` / PNGs into an output directory.
+
+The decode backend is one function, `DECODE_BACKENDS[name](host, prompts, *, drafter, verifier, draft_length,
+concurrency, max_new_tokens, sampling, seed) -> GenerationResult`. Today the only one is "static-batch":
+`dspark.engine.decode.generate` with `batch_size = concurrency`, i.e. the prompts run in successive static batches of C
+(a batch's finished requests are not replaced, so the load falls inside a batch). It is NOT continuous batching;
+the closed-loop continuous-batching engine registers itself here under another name, and every row records which
+engine measured it (`"engine"`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dspark.engine.decode import GenerationResult, generate
+from dspark.engine.sampling import SamplingConfig
+from dspark.metrics import summarize
+
+#: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). No math
+#: set is installed here: `champ-dataset` (MODELS_AND_DATA.md) is not, so math needs `math=FILE.jsonl`.
+DEFAULT_DOMAINS = {"chat": "sharegpt", "code": "humaneval"}
+#: row keys copied from dspark.metrics.summarize (per-position lists included)
+ROW_METRICS = ("tau", "tau_ci95", "accepted_per_round", "proposed_per_round", "verified_per_round", "verify_rate",
+               "verified_token_savings", "tokens_per_s", "requests", "new_tokens", "request_rounds", "seconds",
+               "mean_batch", "conditional_acceptance", "prefix_survival", "rows_verifying_k")
+
+
+@dataclass
+class RunOptions:
+    """Options shared by the runners that decode (each runner adds its own dataclass)."""
+
+    num_prompts: int = field(default=16, metadata={"help": "prompts per decode (per domain where there are domains)"})
+    max_new_tokens: int = field(default=64, metadata={"help": "new tokens per request at most"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    seed: int = field(default=0, metadata={"help": "request i is seeded with seed + i (same for every setting)"})
+    drafter_paths: dict[str, str] = field(default_factory=dict, metadata={
+        "help": "NAME=DIR checkpoints per drafter name (NAME@GAMMA=DIR: the one trained at that gamma); a drafter "
+                "without one gets random weights (a warning)"})
+    max_prompt_length: int = field(default=512, metadata={"help": "skip prompts longer than this many tokens"})
+    out_dir: str = field(default="results", metadata={"help": "directory for NAME.json, NAME.md and the PNGs"})
+
+
+# ---- prompts ----------------------------------------------------------------------------------------------------
+def random_prompts(n: int, vocab: int, *, key: str, seed: int) -> list[list[int]]:
+    """n seeded token-id prompts of 8..32 tokens for hosts without a tokenizer; each repeats its first half, so the
+    n-gram drafter has something to find. `key` (e.g. the domain) gives each source its own prompts."""
+    digest = int(hashlib.sha256(f"{key}:{seed}".encode()).hexdigest()[:8], 16)
+    g = torch.Generator().manual_seed(digest)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(8, 33, (1,), generator=g))
+        half = torch.randint(0, vocab, ((length + 1) // 2,), generator=g).tolist()
+        out.append((half + half)[:length])
+    return out
+
+
+def load_prompts(host, source: str, n: int, *, seed: int = 0, max_prompt_length: int = 512) -> list[list[int]]:
+    """Token ids of n prompts from `source` (sharegpt, humaneval, a .jsonl file, ...), or random ids when the host
+    has no tokenizer (random hosts). ShareGPT, the training source, gives its held-out split; others all prompts."""
+    if n < 1:
+        raise ValueError(f"need at least one prompt, got num_prompts={n}")
+    if host.tokenizer is None:
+        return random_prompts(n, host.vocab_size, key=source, seed=seed)
+    from dspark.cli import EvalOptions, eval_prompts
+
+    split = "heldout" if source == "sharegpt" else "all"
+    ids = eval_prompts(host, EvalOptions(data=source, split=split, limit=n, max_prompt_length=max_prompt_length))
+    if len(ids) < n:
+        raise ValueError(f"{source!r} ({split}) has only {len(ids)} prompts within {max_prompt_length} tokens; "
+                         f"asked for {n}")
+    return ids
+
+
+def parse_domains(domains: dict[str, str]) -> dict[str, str]:
+    """Domain name -> data source; an empty mapping means DEFAULT_DOMAINS."""
+    return dict(domains) if domains else dict(DEFAULT_DOMAINS)
+
+
+# ---- drafters and policies --------------------------------------------------------------------------------------
+def drafter_path(paths: dict[str, str], name: str, gamma: int | None = None) -> str | None:
+    """The checkpoint for `name` evaluated at `gamma`: NAME@GAMMA when given, else NAME, else None."""
+    unknown = [k for k in paths if k.partition("@")[0] == ""]
+    if unknown:
+        raise ValueError(f"--drafter-paths keys are NAME or NAME@GAMMA, got {unknown}")
+    if gamma is not None and f"{name}@{gamma}" in paths:
+        return paths[f"{name}@{gamma}"]
+    return paths.get(name)
+
+
+def build_drafters(host, names: list[str], paths: dict[str, str], draft_lengths: list[int]) -> dict:
+    """{(name, gamma): drafter} for every listed drafter and gamma; one object per distinct checkpoint. Without a
+    checkpoint DSpark / DFlash get random weights with a block of max(draft_lengths), so every gamma is valid."""
+    from dspark.api import resolve_drafter
+
+    if not names:
+        raise ValueError("list at least one drafter (plain decoding is always measured)")
+    for name in names:
+        if name in ("none", "plain"):
+            raise ValueError("plain decoding is always measured; list only drafters")
+    built: dict = {}
+    out = {}
+    for name in names:
+        for gamma in draft_lengths:
+            path = drafter_path(paths, name, gamma)
+            if (name, path) not in built:
+                overrides = {"gamma": max(draft_lengths)} if path is None and name in ("dspark", "dflash") else {}
+                built[name, path] = resolve_drafter(host, name, drafter_path=path, **overrides)
+            out[name, gamma] = built[name, path]
+    return out
+
+
+def trained_length(drafter) -> int | None:
+    """The block size a drafter was trained at (DSpark / DFlash gamma, EAGLE-3 ttt_length); None if it has none."""
+    from drafters import DSparkDrafter, Eagle3Drafter
+
+    if isinstance(drafter, DSparkDrafter):
+        return drafter.config.gamma
+    if isinstance(drafter, Eagle3Drafter):
+        return drafter.config.ttt_length
+    return None
+
+
+def build_policy(host, policy: str, *, draft_length: int, path: str | None, threshold: float | None = None,
+                 cost=None):
+    """The verifier for a policy name (full, threshold, scheduler, lagged) at this gamma, with the drafter
+    checkpoint's STS calibration when it has one (the threshold is on cumulative survival a_k)."""
+    from dspark.api import resolve_verifier
+
+    return resolve_verifier(host, policy, draft_length=draft_length, drafter_path=path,
+                            threshold=threshold if policy == "threshold" else None,
+                            cost_table=cost if policy in ("scheduler", "lagged") else None)
+
+
+def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths: list[int], out_dir: Path):
+    """The SPS(B) table: loaded from `path`, else profiled now on this host (saved as OUT_DIR/cost.json)."""
+    from verifiers.cost_model import CostModel, profile
+
+    if path:
+        return CostModel.load(path, expect_host=host.name, expect_device=host.device)
+    tokens = sorted({1, 2, 4, 8} | {g + 1 for g in draft_lengths})
+    cost = profile(host, batch_sizes=sorted(set(concurrency)), tokens_per_request=tokens, repeats=3, warmup=1,
+                   max_len=64)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cost.save(out_dir / "cost.json")
+    return cost
+
+
+# ---- the decode backend -----------------------------------------------------------------------------------------
+def static_batch_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
+                        max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationResult:
+    """Static batches of `concurrency` requests through dspark.engine.decode.generate (not continuous batching)."""
+    return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
+                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=concurrency)
+
+
+#: engine name -> decode function; the continuous-batching engine adds itself here
+DECODE_BACKENDS: dict[str, Callable[..., GenerationResult]] = {"static-batch": static_batch_decode}
+
+
+def backend(name: str) -> Callable[..., GenerationResult]:
+    if name not in DECODE_BACKENDS:
+        raise ValueError(f"unknown engine {name!r}; choose one of {sorted(DECODE_BACKENDS)}")
+    return DECODE_BACKENDS[name]
+
+
+def result_row(result: GenerationResult, *, draft_length: int, **labels) -> dict:
+    """One JSON row: the labels, then summarize()'s metrics (ROW_METRICS) with per_request_tokens_per_s."""
+    m = summarize(result, draft_length=draft_length)
+    return {**labels, "draft_length": draft_length, **{k: m[k] for k in ROW_METRICS},
+            "per_request_tokens_per_s": m["tokens_per_s_per_request"]}
+
+
+# ---- outputs ----------------------------------------------------------------------------------------------------
+@dataclass
+class Section:
+    """What a runner renders from its JSON: markdown (tables, notes) and the PNG files it wrote."""
+
+    title: str
+    markdown: str
+    images: list[Path]
+
+
+def envelope(name: str, *, argv, host, options: list) -> dict:
+    """The header of every result JSON: experiment, command, environment, host and the options used."""
+    from dspark.config import to_dict
+    from dspark.quickstart import environment
+
+    settings = {}
+    for opts in options:
+        settings.update(to_dict(opts))
+    return {"experiment": name, "command": f"dspark experiment {name} " + " ".join(argv or []),
+            "environment": environment(torch.device(host.device)), "host": host.name, "settings": settings}
+
+
+def write_result(doc: dict, out_dir: str | Path, render: Callable[[dict, Path], Section]) -> Path:
+    """Write OUT_DIR/NAME.json, the PNGs and OUT_DIR/NAME.md (from `render`); returns the JSON path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{doc['experiment']}.json"
+    path.write_text(json.dumps(doc, indent=1, allow_nan=True) + "\n")
+    section = render(doc, out)
+    (out / f"{doc['experiment']}.md").write_text(section_markdown(doc, section, out))
+    return path
+
+
+def section_markdown(doc: dict, section: Section, relative_to: Path, *, level: int = 1) -> str:
+    env = doc.get("environment", {})
+    where = env.get("gpu") or env.get("processor", "")
+    head = (f"{'#' * level} {section.title}\n\n`{doc.get('command', '')}` — {env.get('date', '')}, {where}, "
+            f"torch {env.get('torch', '')}, host `{doc.get('host', '')}`\n\n")
+    images = "".join(f"\n![{p.stem}]({p.relative_to(relative_to) if p.is_relative_to(relative_to) else p})\n"
+                     for p in section.images)
+    return head + section.markdown + "\n" + images
+
+
+def fmt_list(values: list[float]) -> str:
+    """A short text form of a per-position list."""
+    return " ".join("nan" if isinstance(v, float) and math.isnan(v) else f"{v:.2f}" for v in values)
+
+
+def figure(width: float = 6.0, height: float = 4.0, ncols: int = 1, nrows: int = 1):
+    """A matplotlib Figure without pyplot (Agg, leaves the process-wide backend alone) and its axes array."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def plot_log_x(ax, values: list[int]) -> None:
+    """A log-2 x axis labelled with the measured values (concurrency)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+
+
+def sampling_config(temperature: float) -> SamplingConfig:
+    return SamplingConfig(temperature=temperature)
+
+
+def setting_key(row: dict) -> str:
+    """A setting's name across concurrencies: method/policy/gamma (plain decoding: "plain")."""
+    if row["method"] == "plain":
+        return "plain"
+    return f"{row['method']}/{row['policy']}/γ{row['draft_length']}"

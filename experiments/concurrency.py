@@ -1,0 +1,219 @@
+"""Concurrency and break-even: throughput and per-request speed against concurrency C, for plain decoding and every
+(drafter, policy, gamma) setting, all decoded in this one process on the same prompts and seeds.
+
+    dspark experiment concurrency --host smollm2 --drafters ngram dspark dflash eagle3 mtp \\
+        --drafter-paths dspark=ckpt/dspark dflash=ckpt/dflash eagle3=ckpt/eagle3 mtp=ckpt/mtp \\
+        --policies full threshold scheduler --draft-lengths 3 5 7 --concurrency 1 2 4 8 16 32 64 \\
+        --num-prompts 64 --max-new-tokens 128 --out-dir results/concurrency
+    dspark experiment concurrency --host random:tiny-llama --drafters ngram dspark --policies full scheduler \\
+        --draft-lengths 3 7 --concurrency 1 2 4 --num-prompts 8 --max-new-tokens 16 --out-dir /tmp/cc   # CPU smoke
+
+Writes OUT_DIR/concurrency.json: `rows` (one per setting and C: method, policy, draft_length, concurrency, engine,
+tokens_per_s, per_request_tokens_per_s, tau, speedup over plain at the same C, verified_per_round = the policy's
+verify budget per request, pareto), `break_even` (setting -> C or null), and concurrency.md / PNGs: tokens/s
+against C, the throughput / per-request speed curve (Pareto front marked) and the verify budget against load.
+
+Engine: rows say which decode backend measured them (experiments.common.DECODE_BACKENDS). "static-batch" runs the
+prompts in successive static batches of C (requests that finish early are not replaced), a stand-in until the
+closed-loop continuous-batching engine is registered. max(num_prompts, C) requests are decoded at each C.
+Scheduler policies need an SPS(B) table: --cost-table, or one is profiled on this host first (OUT_DIR/cost.json).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, cost_table, drafter_path,
+                                envelope, figure, load_prompts, plot_log_x, result_row, sampling_config, setting_key,
+                                trained_length, write_result)
+
+POLICIES = ("full", "threshold", "scheduler", "lagged")
+
+
+@dataclass
+class ConcurrencyOptions:
+    drafters: list[str] = field(default_factory=lambda: ["ngram", "dspark"], metadata={
+        "help": "drafter names (ngram, dspark, dflash, eagle3, mtp, small-lm); plain decoding is always measured"})
+    policies: list[str] = field(default_factory=lambda: ["full", "scheduler"], metadata={
+        "help": "verification policies: full (fixed gamma), threshold, scheduler, lagged"})
+    draft_lengths: list[int] = field(default_factory=lambda: [3, 7], metadata={"help": "gamma values"})
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], metadata={
+        "help": "requests in flight"})
+    threshold: float = field(default=0.5, metadata={"help": "survival threshold of the 'threshold' policy"})
+    cost_table: Optional[str] = field(default=None, metadata={
+        "help": "SPS(B) JSON from `dspark profile` for scheduler / lagged (default: profile this host now)"})
+    engine: str = field(default="static-batch", metadata={"help": "decode backend (experiments.common)"})
+    data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
+
+
+def check(opts: ConcurrencyOptions) -> None:
+    bad = [p for p in opts.policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {list(POLICIES)}")
+    for name, values in (("--concurrency", opts.concurrency), ("--draft-lengths", opts.draft_lengths)):
+        if not values or min(values) < 1:
+            raise ValueError(f"{name} needs values >= 1, got {values}")
+    backend(opts.engine)
+
+
+def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[list[int]], out_dir: Path) -> dict:
+    """Decode every setting at every C; returns {"rows", "skipped"} (rows already carry speedup over plain)."""
+    check(opts)
+    decode = backend(opts.engine)
+    costed = any(p in ("scheduler", "lagged") for p in opts.policies)
+    cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths,
+                      out_dir=out_dir) if costed else None
+    drafters = build_drafters(host, opts.drafters, run.drafter_paths, opts.draft_lengths)
+    common = dict(max_new_tokens=run.max_new_tokens, sampling=sampling_config(run.temperature), seed=run.seed)
+    rows, skipped = [], []
+    for C in opts.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
+        plain = result_row(decode(host, batch, drafter=None, verifier=None, draft_length=0, concurrency=C, **common),
+                           draft_length=0, method="plain", policy="none", concurrency=C, engine=opts.engine)
+        rows.append(plain)
+        print(f"C={C:4d} plain {plain['tokens_per_s']:.1f} tok/s", flush=True)
+        for (name, gamma), drafter in drafters.items():
+            trained = trained_length(drafter)
+            if name in ("dspark", "dflash") and trained is not None and gamma > trained:
+                skipped.append({"method": name, "draft_length": gamma, "concurrency": C,
+                                "reason": f"gamma {gamma} > the block of {trained} it was trained with"})
+                continue
+            for policy in opts.policies:
+                verifier = build_policy(host, policy, draft_length=gamma, path=drafter_path(run.drafter_paths, name,
+                                                                                              gamma),
+                                        threshold=opts.threshold, cost=cost)
+                result = decode(host, batch, drafter=drafter, verifier=verifier, draft_length=gamma, concurrency=C,
+                                **common)
+                row = result_row(result, draft_length=gamma, method=name, policy=policy, concurrency=C,
+                                 engine=opts.engine, trained_length=trained)
+                rows.append(row)
+                print(f"C={C:4d} {setting_key(row):24s} tau {row['tau']:.2f} {row['tokens_per_s']:.1f} tok/s",
+                      flush=True)
+    add_speedup(rows)
+    return {"rows": rows, "skipped": skipped}
+
+
+def add_speedup(rows: list[dict]) -> None:
+    """rows[i]["speedup"] = tokens/s over plain decoding's at the same concurrency; rows[i]["pareto"] marks the
+    rows no other row beats on both tokens/s and per-request tokens/s."""
+    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / plain[r["concurrency"]] if plain.get(r["concurrency"]) else float("nan")
+    for r in rows:
+        r["pareto"] = not any(o["tokens_per_s"] >= r["tokens_per_s"]
+                              and o["per_request_tokens_per_s"] >= r["per_request_tokens_per_s"]
+                              and (o["tokens_per_s"], o["per_request_tokens_per_s"])
+                              != (r["tokens_per_s"], r["per_request_tokens_per_s"]) for o in rows)
+
+
+def break_even(rows: list[dict]) -> dict[str, int | None]:
+    """Per setting, the smallest measured C from which on it is never faster than plain decoding (speedup <= 1 at
+    that C and every larger measured C); None when it is still faster at the largest C. A dip below plain that
+    recovers at a larger C is read as noise, not as the crossing."""
+    out: dict[str, int | None] = {}
+    settings: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["method"] != "plain":
+            settings.setdefault(setting_key(r), []).append(r)
+    for key, points in settings.items():
+        crossing = None
+        for r in sorted(points, key=lambda r: r["concurrency"], reverse=True):
+            if not r["speedup"] <= 1.0:
+                break
+            crossing = r["concurrency"]
+        out[key] = crossing
+    return out
+
+
+def render(doc: dict, out: Path) -> Section:
+    """concurrency.md's body and three PNGs from a concurrency.json document."""
+    from dspark.metrics import markdown_table
+
+    rows = doc["rows"]
+    table = markdown_table(rows, [("concurrency", "C"), ("method", "method"), ("policy", "policy"),
+                                  ("draft_length", "γ"), ("tau", "τ"), ("verified_per_round", "verified/req/round"),
+                                  ("tokens_per_s", "tokens/s"), ("per_request_tokens_per_s", "tokens/s per request"),
+                                  ("speedup", "× plain"), ("pareto", "Pareto")])
+    engines = sorted({r["engine"] for r in rows})
+    even = "\n".join(f"| {k} | {'never (still faster at the largest C)' if v is None else v} |"
+                     for k, v in doc["break_even"].items())
+    text = (f"Engine: {', '.join(engines)}" + (" (static batches of C, not continuous batching)"
+                                               if "static-batch" in engines else "") + "\n\n" + table
+            + "\n\n**Break-even concurrency** (from this C on, no faster than plain decoding):\n\n"
+              "| setting | C |\n|---|---|\n" + even + "\n")
+    if doc.get("skipped"):
+        text += "\nSkipped: " + "; ".join(f"{s['method']} γ{s['draft_length']} ({s['reason']})"
+                                          for s in doc["skipped"][:5]) + "\n"
+    stem = doc["experiment"]
+    return Section(title=f"{stem}: throughput and per-request speed against concurrency", markdown=text,
+                   images=plot(rows, out, stem=stem))
+
+
+def _series(rows: list[dict]) -> dict[str, list[dict]]:
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        series.setdefault(setting_key(r), []).append(r)
+    return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in series.items()}
+
+
+def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path]:
+    """Three PNGs: tokens/s against C, tokens/s against per-request tokens/s (Pareto), verify budget against C."""
+    series = _series(rows)
+    Cs = sorted({r["concurrency"] for r in rows})
+    paths = []
+    fig, axes = figure(6.5, 4.2)
+    ax = axes[0, 0]
+    for key, points in series.items():
+        ax.plot([r["concurrency"] for r in points], [r["tokens_per_s"] for r in points], marker="o", ms=3,
+                label=key, **({"color": "k", "ls": "--"} if key == "plain" else {}))
+    plot_log_x(ax, Cs)
+    ax.set(yscale="log", xlabel="concurrency C", ylabel="tokens/s (all requests)", title="throughput")
+    ax.legend(fontsize=6)
+    paths.append(out / f"{stem}_throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    fig, axes = figure(6.5, 4.2)
+    ax = axes[0, 0]
+    for key, points in series.items():
+        ax.plot([r["per_request_tokens_per_s"] for r in points], [r["tokens_per_s"] for r in points], marker="o",
+                ms=3, label=key, **({"color": "k", "ls": "--"} if key == "plain" else {}))
+    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["per_request_tokens_per_s"])
+    ax.plot([r["per_request_tokens_per_s"] for r in front], [r["tokens_per_s"] for r in front], color="0.6", lw=4,
+            alpha=0.4, label="Pareto front")
+    ax.set(xscale="log", yscale="log", xlabel="tokens/s per request", ylabel="tokens/s (all requests)",
+           title="throughput against per-request speed (each point one C)")
+    ax.legend(fontsize=6)
+    paths.append(out / f"{stem}_pareto.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    fig, axes = figure(6.5, 4.2)
+    ax = axes[0, 0]
+    for key, points in series.items():
+        if key != "plain":
+            ax.plot([r["concurrency"] for r in points], [r["verified_per_round"] for r in points], marker="o", ms=3,
+                    label=key)
+    plot_log_x(ax, Cs)
+    ax.set(xlabel="concurrency C", ylabel="verified drafts per request per round", title="verify budget against load")
+    ax.legend(fontsize=6)
+    paths.append(out / f"{stem}_budget.png")
+    fig.savefig(paths[-1], dpi=110)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark.cli import HostOptions, _host
+    from dspark.config import parse
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    h, run, opts = parse([HostOptions, RunOptions, ConcurrencyOptions], argv, prog="dspark experiment concurrency")
+    check(opts)
+    host = _host(h)
+    prompts = load_prompts(host, opts.data, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
+    doc = envelope("concurrency", argv=argv, host=host, options=[h, run, opts])
+    doc.update(measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir)))
+    doc["break_even"] = break_even(doc["rows"])
+    path = write_result(doc, run.out_dir, render)
+    print(f"wrote {path}; break-even concurrency: {doc['break_even']}")
+    return 0

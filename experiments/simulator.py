@@ -1,0 +1,213 @@
+"""Replay simulator: predict throughput and per-request speed of any policy at any concurrency from logged rounds
+and a profiled SPS(B) table, for loads and hosts beyond the machine at hand.
+
+    dspark experiment simulate --traces results/acc/trace_dspark_chat.json --cost-table h200_cost.json \\
+        --policies full threshold scheduler --concurrency 1 8 64 512 --draft-ms 0.5 --out-dir results/sim
+
+Trace (format "dspark.trace", version 1; written by `dspark experiment acceptance` from a verify-all decode):
+    method, domain, host, draft_length K
+    requests    [{"new_tokens": n, "proposed": [..], "verified": [..], "accepted": [..],
+                  "confidence": [[c_1..c_K], ..] or null}]   one entry per logged round, in order
+
+Model (closed loop, C requests in flight): every step, each live request takes its next logged round (cycling
+through its own rounds); the policy under test (the real verifier class) picks ell from the logged confidences;
+the request commits min(ell, a) + 1 tokens, where a is the logged number of accepted drafts under verify-all
+(when the log verified fewer than ell and accepted all of them, a is censored and taken as logged: conservative).
+The step lasts 1 / SPS(B) with B = Σ (1 + ell) over the live requests, plus `draft_ms` per speculative step. A
+request that reaches its logged new_tokens leaves and the next one enters at the following step. Throughput =
+tokens / simulated seconds; per-request speed = tokens / (leave - enter), averaged over requests.
+
+Approximations, stated: rounds are replayed as logged, so a policy that verifies fewer drafts does not change what
+is drafted next (in a real decode the next round starts elsewhere); drafting cost is one constant per step; the
+lagged scheduler's history restarts whenever the set of live requests changes. The GPU check of these predictions
+against measured runs belongs with the continuous-batching engine.
+Writes OUT_DIR/simulate.json (`rows` as concurrency.json's, engine "replay"; `break_even`), simulate.md and PNGs.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dspark.engine.protocol import Proposal
+from experiments.common import Section, write_result
+
+FORMAT = "dspark.trace"
+VERSION = 1
+
+
+# ---- traces -----------------------------------------------------------------------------------------------------
+def trace_from_result(result, *, draft_length: int, **meta) -> dict:
+    """A trace document from a verify-all GenerationResult (its RoundLog), one entry per request."""
+    log = result.log
+    request = log.column("request")
+    conf = log.confidences()
+    columns = {name: log.column(name) for name in ("proposed", "verified", "accepted")}
+    requests = []
+    for i, tokens in enumerate(result.token_ids):
+        rows = (request == i).nonzero().flatten()
+        requests.append({"new_tokens": len(tokens), **{k: v[rows].tolist() for k, v in columns.items()},
+                         "confidence": None if conf is None else [[round(c, 5) for c in r] for r in
+                                                                   conf[rows].tolist()]})
+    return {"format": FORMAT, "version": VERSION, "draft_length": draft_length, **meta, "requests": requests}
+
+
+def load_trace(path: str | Path) -> dict:
+    from dspark.engine.jsonio import read_versioned_json
+
+    doc = read_versioned_json(path, FORMAT, VERSION, what="trace")
+    if not doc.get("requests") or any(not r["accepted"] for r in doc["requests"]):
+        raise ValueError(f"trace {path} has no requests, or a request without logged rounds")
+    return doc
+
+
+# ---- the replay -------------------------------------------------------------------------------------------------
+@dataclass
+class _Live:
+    serial: int  # admission order: identifies the request (ids of freed objects get reused)
+    trace: dict
+    start: float
+    round: int = 0
+    tokens: int = 0
+
+
+def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draft_ms: float = 0.0) -> dict:
+    """Replay `requests` requests (trace entries in turn) with C = concurrency in flight; policy is a Verifier or
+    None for plain decoding (ell = 0, no drafting). Returns the row metrics of one setting."""
+    if concurrency < 1 or requests < 1:
+        raise ValueError(f"need concurrency >= 1 and requests >= 1, got {concurrency} and {requests}")
+    K = trace["draft_length"] if policy is not None else 0
+    pool = trace["requests"]
+    waiting = [pool[i % len(pool)] for i in range(requests)]
+    admitted = 0
+    live: list[_Live] = []
+    now, steps, total_tokens = 0.0, 0, 0
+    verified_sum = accepted_sum = request_rounds = 0
+    speeds: list[float] = []
+    members: tuple = ()
+    while waiting or live:
+        while waiting and len(live) < concurrency:
+            live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
+            admitted += 1
+        if policy is not None and tuple(s.serial for s in live) != members:
+            policy.begin(batch_size=len(live))  # why: per-request policy state is indexed by batch row
+            members = tuple(s.serial for s in live)
+        R = len(live)
+        picks = [s.trace for s in live]
+        index = [s.round % len(t["accepted"]) for s, t in zip(live, picks)]
+        logged_acc = torch.tensor([t["accepted"][j] for t, j in zip(picks, index)])  # (R,)
+        if policy is None:
+            ell = torch.zeros(R, dtype=torch.long)
+        else:
+            proposed = torch.tensor([t["proposed"][j] for t, j in zip(picks, index)])  # (R,)
+            conf = (None if picks[0]["confidence"] is None
+                    else torch.tensor([t["confidence"][j] for t, j in zip(picks, index)]))  # (R, K)
+            proposal = Proposal(tokens=torch.zeros(R, K, dtype=torch.long), confidence=conf, lengths=proposed)
+            ell = torch.minimum(policy.lengths(proposal, K).clamp(0, K), proposed)  # (R,)
+        accepted = torch.minimum(ell, logged_acc)  # (R,)
+        B = int((ell + 1).sum())
+        now += 1.0 / float(cost(B)) + (draft_ms / 1000.0 if policy is not None else 0.0)
+        steps += 1
+        verified_sum += int(ell.sum())
+        accepted_sum += int(accepted.sum())
+        request_rounds += R
+        still = []
+        for s, a in zip(live, accepted.tolist()):
+            take = min(a + 1, s.trace["new_tokens"] - s.tokens)
+            s.tokens += take
+            s.round += 1
+            total_tokens += take
+            if s.tokens >= s.trace["new_tokens"]:
+                speeds.append(s.tokens / (now - s.start))
+            else:
+                still.append(s)
+        live = still
+    return {"tokens_per_s": total_tokens / now, "per_request_tokens_per_s": sum(speeds) / len(speeds),
+            "tau": (accepted_sum + request_rounds) / request_rounds,
+            "accepted_per_round": accepted_sum / request_rounds, "verified_per_round": verified_sum / request_rounds, "steps": steps, "requests": requests,
+            "new_tokens": total_tokens, "seconds": now}
+
+
+# ---- the runner -------------------------------------------------------------------------------------------------
+@dataclass
+class SimulateOptions:
+    traces: list[str] = field(default_factory=list, metadata={
+        "help": "trace JSONs (dspark experiment acceptance writes trace_METHOD_DOMAIN.json)"})
+    cost_table: Optional[str] = field(default=None, metadata={
+        "help": "SPS(B) JSON from `dspark profile` on the host and device to predict for (required)"})
+    policies: list[str] = field(default_factory=lambda: ["full", "scheduler"], metadata={
+        "help": "full, threshold, scheduler, lagged (plain decoding is always simulated)"})
+    threshold: float = field(default=0.5, metadata={"help": "survival threshold of the 'threshold' policy"})
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], metadata={
+        "help": "requests in flight"})
+    requests: int = field(default=0, metadata={"help": "requests replayed per point (0 = max(4 C, trace size))"})
+    draft_ms: float = field(default=0.0, metadata={"help": "drafting milliseconds added to every speculative step"})
+    out_dir: str = field(default="results", metadata={"help": "directory for simulate.json, .md and the PNGs"})
+
+
+def run(opts: SimulateOptions, cost) -> list[dict]:
+    from verifiers import build_verifier
+
+    rows = []
+    for t, path in enumerate(opts.traces):
+        trace = load_trace(path)
+        for C in opts.concurrency:
+            n = opts.requests or max(4 * C, len(trace["requests"]))
+            if t == 0:  # plain decoding is one baseline: B = C every step whatever the drafter
+                rows.append({"method": "plain", "policy": "none", "draft_length": 0, "concurrency": C,
+                             "engine": "replay", "trace": path,
+                             **simulate(trace, policy=None, concurrency=C, cost=cost, requests=n)})
+            for name in opts.policies:
+                policy = build_verifier(name, threshold=opts.threshold if name == "threshold" else None,
+                                        cost_table=cost if name in ("scheduler", "lagged") else None)
+                rows.append({"method": trace.get("method", "?"), "policy": name,
+                             "draft_length": trace["draft_length"], "concurrency": C, "engine": "replay",
+                             "trace": path, **simulate(trace, policy=policy, concurrency=C, cost=cost, requests=n,
+                                                       draft_ms=opts.draft_ms)})
+    return rows
+
+
+def render(doc: dict, out: Path) -> Section:
+    from experiments.concurrency import render as render_concurrency
+
+    section = render_concurrency(doc, out)
+    section.title = "simulate: replayed throughput and per-request speed against concurrency (predicted)"
+    section.markdown = (f"Predicted from traces {', '.join(doc['traces'])} with the SPS(B) table of "
+                        f"{doc['cost']['host']} on {doc['cost']['device']} ({doc['cost']['mode']}).\n\n"
+                        + section.markdown)
+    return section
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark.config import parse, to_dict
+    from dspark.quickstart import environment
+    from experiments.concurrency import add_speedup, break_even
+    from verifiers.cost_model import CostModel
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    (opts,) = parse([SimulateOptions], argv, prog="dspark experiment simulate")
+    if not opts.traces or not opts.cost_table:
+        raise ValueError("dspark experiment simulate needs --traces and --cost-table")
+    cost = CostModel.load(opts.cost_table)
+    traces = {}
+    for path in opts.traces:
+        trace = load_trace(path)
+        traces[path] = {k: trace.get(k) for k in ("method", "domain", "host", "draft_length")}
+
+    rows = run(opts, cost)
+    if len(opts.traces) > 1:  # one break-even per trace: name settings by trace too
+        for r in rows:
+            r["method"] = f"{r['method']}@{Path(r['trace']).stem}" if r["method"] != "plain" else r["method"]
+    add_speedup(rows)
+    doc = {"experiment": "simulate", "command": "dspark experiment simulate " + " ".join(argv),
+           "environment": environment(torch.device("cpu")), "host": cost.host, "settings": to_dict(opts),
+           "traces": opts.traces, "trace_meta": traces,
+           "cost": {"host": cost.host, "device": cost.device, "mode": cost.mode, "tokens": cost.tokens,
+                    "sps": cost.sps},
+           "rows": rows, "skipped": [], "break_even": break_even(rows)}
+    path = write_result(doc, opts.out_dir, render)
+    print(f"wrote {path}; predicted break-even concurrency: {doc['break_even']}")
+    return 0

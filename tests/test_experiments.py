@@ -1,0 +1,284 @@
+"""CPU smoke tests of the experiment runners (`dspark experiment NAME`, `dspark report`) on a tiny random host, and
+unit tests of the numbers they derive (break-even, savings, the replay simulator)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from dspark.cli import main as cli
+from experiments.concurrency import add_speedup, break_even
+from experiments.savings import savings
+from experiments.simulator import simulate
+from verifiers import build_verifier
+from verifiers.cost_model import CostModel
+
+HOST = "random:tiny-llama"
+SMALL = ["--host", HOST, "--num-prompts", "4", "--max-new-tokens", "8"]
+
+
+def run(*argv) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # random-weight drafters warn by design
+        assert cli(list(argv)) == 0
+
+
+def load(path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # why: a 64-wide host's matmuls are microseconds; on a shared machine two intra-op threads mostly wait on each
+    # other (15 ms per linear measured under load, 1 ms alone), so these runs use one and restore the setting
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cost_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cost") / "cost.json"
+    # a concave made-up SPS(B) table for random:tiny-llama on the CPU: the schedulers need one, profiling is slow
+    CostModel.from_points({1: 100.0, 4: 90.0, 16: 60.0, 64: 20.0}, host=HOST, device="cpu").save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def concurrency_dir(tmp_path_factory, cost_path):
+    out = tmp_path_factory.mktemp("concurrency")
+    run("experiment", "concurrency", *SMALL, "--drafters", "ngram", "dspark", "--policies", "full", "scheduler",
+        "--draft-lengths", "3", "--concurrency", "1", "2", "--cost-table", str(cost_path), "--out-dir", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def acceptance_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("acceptance")
+    run("experiment", "acceptance", *SMALL, "--drafters", "ngram", "dspark", "--draft-length", "3",
+        "--concurrency", "4", "--out-dir", str(out))
+    return out
+
+
+def test_concurrency_writes_rows_break_even_and_plots(concurrency_dir):
+    doc = load(concurrency_dir / "concurrency.json")
+    rows = doc["rows"]
+    # plain + 2 drafters x 2 policies, at each of 2 concurrencies
+    assert len(rows) == 2 * (1 + 2 * 2)
+    for row in rows:
+        assert {"method", "policy", "draft_length", "concurrency", "tokens_per_s", "per_request_tokens_per_s",
+                "tau", "engine"} <= set(row)
+        assert row["engine"] == "static-batch" and row["tokens_per_s"] > 0 and row["tau"] >= 1
+    assert {r["method"] for r in rows} == {"plain", "ngram", "dspark"}
+    assert all(r["tau"] == 1 and r["draft_length"] == 0 for r in rows if r["method"] == "plain")
+    assert set(doc["break_even"]) == {"ngram/full/γ3", "ngram/scheduler/γ3", "dspark/full/γ3",
+                                      "dspark/scheduler/γ3"}
+    assert all(v in (None, 1, 2) for v in doc["break_even"].values())
+    names = {p.name for p in concurrency_dir.iterdir()}
+    assert {"concurrency.md", "concurrency_throughput.png", "concurrency_pareto.png", "concurrency_budget.png"} <= names
+    assert "static batches of C, not continuous batching" in (concurrency_dir / "concurrency.md").read_text()
+
+
+def test_concurrency_profiles_a_cost_table_when_none_is_given(tmp_path):
+    run("experiment", "concurrency", "--host", HOST, "--num-prompts", "2", "--max-new-tokens", "4", "--drafters",
+        "ngram", "--policies", "scheduler", "--draft-lengths", "2", "--concurrency", "2", "--out-dir", str(tmp_path))
+    cost = CostModel.load(tmp_path / "cost.json", expect_host=HOST, expect_device="cpu")
+    assert cost.tokens[0] >= 1 and len(load(tmp_path / "concurrency.json")["rows"]) == 2
+
+
+def test_concurrency_runs_every_drafter_family_side_by_side(tmp_path, cost_path):
+    run("experiment", "concurrency", "--host", HOST, "--num-prompts", "2", "--max-new-tokens", "4", "--drafters",
+        "dflash", "eagle3", "mtp", "--policies", "threshold", "lagged", "--draft-lengths", "2", "--concurrency", "2",
+        "--cost-table", str(cost_path), "--out-dir", str(tmp_path))
+    rows = load(tmp_path / "concurrency.json")["rows"]
+    assert {(r["method"], r["policy"]) for r in rows} == {("plain", "none")} | {
+        (m, p) for m in ("dflash", "eagle3", "mtp") for p in ("threshold", "lagged")}
+    # the same prompts and seeds everywhere: every setting decoded the same number of new tokens
+    assert len({r["new_tokens"] for r in rows}) == 1
+
+
+def test_bad_policy_and_unknown_experiment_are_clear_errors(tmp_path, capsys):
+    assert cli(["experiment", "concurrency", "--host", HOST, "--policies", "fastest", "--out-dir",
+                str(tmp_path)]) == 1
+    assert "unknown policies ['fastest']" in capsys.readouterr().err
+    assert cli(["experiment", "nope"]) == 1
+    assert "unknown experiment 'nope'" in capsys.readouterr().err
+
+
+def _row(method, policy, C, tps, **extra):
+    return {"method": method, "policy": policy, "draft_length": 0 if method == "plain" else 3, "concurrency": C,
+            "engine": "static-batch", "tokens_per_s": tps, "per_request_tokens_per_s": tps / C, **extra}
+
+
+def test_break_even_is_where_a_setting_stays_at_or_below_plain():
+    rows = [_row("plain", "none", C, 100.0 * C) for C in (1, 2, 4, 8)]
+    rows += [_row("a", "full", C, t) for C, t in zip((1, 2, 4, 8), (150, 250, 390, 700))]  # below from 4 on
+    rows += [_row("b", "full", C, t) for C, t in zip((1, 2, 4, 8), (150, 190, 450, 900))]  # dips at 2, recovers
+    rows += [_row("c", "full", C, t) for C, t in zip((1, 2, 4, 8), (50, 100, 300, 700))]  # never faster
+    add_speedup(rows)
+    assert break_even(rows) == {"a/full/γ3": 4, "b/full/γ3": None, "c/full/γ3": 1}
+    assert [r["speedup"] for r in rows if r["method"] == "a"] == [1.5, 1.25, 0.975, 0.875]
+    # the Pareto front: nothing beats it on both axes
+    front = [r for r in rows if r["pareto"]]
+    assert front and all(not (o["tokens_per_s"] > r["tokens_per_s"] and o["per_request_tokens_per_s"] >
+                              r["per_request_tokens_per_s"]) for r in front for o in rows)
+
+
+def test_savings_against_verify_all_twin():
+    full = _row("d", "full", 4, 400.0, verified_per_round=6.0, accepted_per_round=3.0, tau=4.0)
+    sched = _row("d", "scheduler", 4, 440.0, verified_per_round=4.2, accepted_per_round=2.8, tau=3.8)
+    (row,) = savings([_row("plain", "none", 4, 300.0), full, sched])
+    assert row["savings_vs_full"] == pytest.approx(0.3)
+    assert row["tau_given_up"] == pytest.approx(0.2)
+    assert row["throughput_change"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="no verify-all"):
+        savings([sched])
+
+
+def test_savings_from_a_concurrency_json(concurrency_dir, tmp_path):
+    run("experiment", "savings", "--from-json", str(concurrency_dir / "concurrency.json"), "--out-dir", str(tmp_path))
+    doc = load(tmp_path / "savings.json")
+    assert {(r["method"], r["policy"], r["concurrency"]) for r in doc["rows"]} == {
+        (m, "scheduler", C) for m in ("ngram", "dspark") for C in (1, 2)}
+    assert (tmp_path / "savings.png").is_file() and (tmp_path / "savings.md").is_file()
+
+
+def test_threshold_zero_verifies_all_and_one_verifies_nothing(tmp_path):
+    run("experiment", "threshold", *SMALL, "--drafter", "dspark", "--thresholds", "0", "1", "--draft-length", "3",
+        "--concurrency", "4", "--domains", "chat=sharegpt", "code=humaneval", "--out-dir", str(tmp_path))
+    rows = load(tmp_path / "threshold.json")["rows"]
+    assert [(r["domain"], r["threshold"]) for r in rows] == [("chat", 0.0), ("chat", 1.0), ("code", 0.0),
+                                                              ("code", 1.0)]
+    for r in rows:
+        assert r["rejected_per_round"] == pytest.approx(r["verified_per_round"] - r["accepted_per_round"])
+        if r["threshold"] == 0.0:
+            # every draft: 3 per round, but the last rounds of a request verify fewer (never past max_new_tokens)
+            assert r["verified_per_round"] > 2.0
+        else:
+            assert r["verified_per_round"] == 0.0  # random confidences are never exactly 1
+    assert (tmp_path / "threshold.png").is_file() and "| chat | 1.000 |" in (tmp_path / "threshold.md").read_text()
+
+
+def test_threshold_needs_confidences(tmp_path, capsys):
+    assert cli(["experiment", "threshold", *SMALL, "--drafter", "ngram", "--thresholds", "0.5", "--domains",
+                "chat=sharegpt", "--out-dir", str(tmp_path)]) == 1
+    assert "gives no confidences" in capsys.readouterr().err
+
+
+def test_length_skips_gammas_past_the_trained_block_and_reports_the_margin(tmp_path):
+    from dspark.api import load_host, resolve_drafter
+
+    host = load_host(HOST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolve_drafter(host, "dspark", gamma=2).save_pretrained(tmp_path / "dspark2")
+    run("experiment", "length", *SMALL, "--drafters", "dspark", "dflash", "--draft-lengths", "2", "3",
+        "--drafter-paths", f"dspark={tmp_path / 'dspark2'}", "--concurrency", "4", "--out-dir", str(tmp_path / "out"))
+    doc = load(tmp_path / "out" / "length.json")
+    assert {(r["method"], r["draft_length"], r["trained_length"]) for r in doc["rows"]} == {
+        ("dspark", 2, 2), ("dflash", 2, 3), ("dflash", 3, 3)}
+    assert doc["skipped"] == [{"method": "dspark", "draft_length": 3,
+                               "reason": "gamma 3 > the block of 2 it was trained with"}]
+    assert (tmp_path / "out" / "length.png").is_file() and "DSpark over DFlash" in (
+        tmp_path / "out" / "length.md").read_text()
+    (m,) = doc["margin"]
+    assert m["draft_length"] == 2 and m["matched"] is False
+    assert m["margin"] == pytest.approx(m["dspark_tau"] / m["dflash_tau"] - 1)
+
+
+def test_acceptance_per_position_calibration_and_traces(acceptance_dir):
+    rows = load(acceptance_dir / "acceptance.json")["rows"]
+    assert {(r["method"], r["domain"]) for r in rows} == {(m, d) for m in ("ngram", "dspark") for d in ("chat", "code")}
+    for r in rows:
+        assert len(r["conditional_acceptance"]) == len(r["prefix_survival"]) == 3
+        trace = load(acceptance_dir / r["trace"])
+        assert trace["format"] == "dspark.trace" and len(trace["requests"]) == 4
+        assert sum(len(q["accepted"]) for q in trace["requests"]) == r["request_rounds"]
+        if r["method"] == "ngram":
+            assert r["calibration"] is None  # no confidence head
+        else:
+            cal = r["calibration"]
+            assert len(cal["temperatures"]) == 3 and cal["report_requests"] == 2
+            assert len(cal["before"]["survival"]["ece"]) == len(cal["after"]["survival"]["ece"]) == 3
+            assert (acceptance_dir / r["reliability_png"]).is_file()
+    assert (acceptance_dir / "acceptance.png").is_file() and (acceptance_dir / "calibration.png").is_file()
+    assert "ECE STS" in (acceptance_dir / "acceptance.md").read_text()
+
+
+def _trace(accepted, confidence, *, K=3, new_tokens=8, n=1):
+    rounds = len(accepted)
+    return {"format": "dspark.trace", "version": 1, "draft_length": K, "method": "hand",
+            "requests": [{"new_tokens": new_tokens, "proposed": [K] * rounds, "verified": [K] * rounds,
+                          "accepted": accepted, "confidence": confidence} for _ in range(n)]}
+
+
+def test_simulator_matches_hand_computation():
+    flat = CostModel.flat(50.0)
+    trace = _trace([3, 3], None, new_tokens=8, n=4)  # every draft accepted: 4 tokens per round, 2 rounds
+    full = simulate(trace, policy=build_verifier("full"), concurrency=4, cost=flat, requests=4)
+    assert full["tokens_per_s"] == pytest.approx(4 * 4 * 50.0) and full["tau"] == 4.0
+    plain = simulate(trace, policy=None, concurrency=4, cost=flat, requests=4)
+    assert plain["tokens_per_s"] == pytest.approx(4 * 50.0) and plain["steps"] == 8
+    # cumulative a = 0.9, 0.45, 0.045: threshold 0.4 verifies 2, and the logged 3 accepted are cut to 2
+    conf = [[0.9, 0.5, 0.1]] * 2
+    thr = simulate(_trace([3, 3], conf, new_tokens=6), policy=build_verifier("threshold", threshold=0.4),
+                   concurrency=1, cost=flat, requests=1)
+    assert thr["verified_per_round"] == 2.0 and thr["tau"] == 3.0 and thr["steps"] == 2
+    # a step's time follows SPS(B): with drafts at half speed of plain, verify-all of 1 + 3 tokens halves the rate
+    slow = CostModel.from_points({1: 100.0, 4: 50.0})
+    one = simulate(trace, policy=build_verifier("full"), concurrency=1, cost=slow, requests=1)
+    assert one["tokens_per_s"] == pytest.approx(4 * 50.0)
+    assert one["per_request_tokens_per_s"] == pytest.approx(4 * 50.0)
+
+
+def test_simulate_cli_and_report(acceptance_dir, concurrency_dir, cost_path, tmp_path):
+    out = tmp_path / "results"
+    run("experiment", "simulate", "--traces", str(acceptance_dir / "trace_dspark_chat.json"), "--cost-table",
+        str(cost_path), "--policies", "full", "threshold", "scheduler", "--concurrency", "1", "8", "64",
+        "--out-dir", str(out / "sim"))
+    doc = load(out / "sim" / "simulate.json")
+    assert {(r["policy"], r["concurrency"]) for r in doc["rows"]} == {
+        (p, C) for p in ("none", "full", "threshold", "scheduler") for C in (1, 8, 64)}
+    assert all(r["engine"] == "replay" for r in doc["rows"])
+    assert set(doc["break_even"]) == {"dspark/full/γ3", "dspark/threshold/γ3", "dspark/scheduler/γ3"}
+    import shutil
+
+    shutil.copytree(concurrency_dir, out / "cc")
+    run("report", str(out))
+    page = (out / "report.md").read_text()
+    assert "## simulate:" in page and "## concurrency:" in page
+    for link in ("sim/simulate_throughput.png", "cc/concurrency_pareto.png"):
+        assert f"]({link})" in page and (out / link).is_file()
+
+
+def test_report_on_an_empty_folder_is_a_clear_error(tmp_path, capsys):
+    assert cli(["report", str(tmp_path)]) == 1
+    assert "holds no experiment results" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 10 s: wandb starts its service process
+def test_report_to_wandb_offline(concurrency_dir, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    shutil.copytree(concurrency_dir, tmp_path / "cc")
+    run("report", str(tmp_path), "--report-to", "wandb")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_the_package_imports_experiments_only_when_a_command_needs_them():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, dspark, dspark.cli, dspark.api, dspark.metrics; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'experiments'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
