@@ -26,6 +26,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,8 @@ from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context, inference_mask,
                              sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
+from drafters.losses import (checkpointed_chunks, chunk_rows, confidence_bce, distill_terms, per_position_mean,
+                             position_weights, weighted_mean)
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -239,10 +241,11 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     # ---- training (DSPARK.md §3) -----------------------------------------------------------------------------
 
-    def block_logits(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
-                     anchors: torch.Tensor) -> BlockLogits:
-        """Teacher-forced q logits and confidence logits of every block anchored at anchors (B, A), in one
-        backbone pass over all blocks of all sequences (the block attention mask keeps them apart)."""
+    def block_hidden(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
+                     anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Backbone hidden states h (B, A, gamma, H) of every block anchored at anchors (B, A), in one backbone pass
+        over all blocks of all sequences (the block attention mask keeps them apart), and each slot's teacher-forced
+        previous token prev (B, A, gamma): the true token at anchor + k (x0 = the anchor for k = 0)."""
         gamma = self.config.gamma
         B, A = anchors.shape
         T = input_ids.shape[1]
@@ -257,27 +260,49 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
                                    sparse=sparse_training_attention(x) if self.sparse_attention is None
                                    else self.sparse_attention)
         h = self.backbone(x, cos=cos, sin=sin, context=self.backbone.context_kv(ctx, ctx_cos, ctx_sin), mask=mask)
-        h = h.view(B, A, gamma, -1)  # (B, A, gamma, H)
-        U = self.shared.logits(h)  # (B, A, gamma, V)
-        # teacher forcing: x_{k-1} of slot k is the true token at anchor + k (x0 = the anchor for k = 0)
         prev = input_ids.gather(1, (anchors.unsqueeze(2) + k).clamp(max=T - 1).flatten(1)).view(B, A, gamma)
+        return h.view(B, A, gamma, -1), prev
+
+    def head_logits(self, h: torch.Tensor, prev: torch.Tensor) -> BlockLogits:
+        """Teacher-forced q logits (..., gamma, V) and confidence logits of blocks from their backbone hidden states
+        h (..., gamma, H) and previous tokens prev (..., gamma)."""
+        U = self.shared.logits(h)  # (..., gamma, V)
         biases, confs, s = [], [], None
-        for j in range(gamma):  # why a loop: the RNN state is sequential; γ is small and the other heads cheap
-            step = self.head_step(prev[:, :, j], h[:, :, j], s)
+        for j in range(self.config.gamma):  # why a loop: the RNN state is sequential; γ is small, the other heads cheap
+            step = self.head_step(prev[..., j], h[..., j, :], s)
             biases.append(step.bias)
             confs.append(step.conf_logit)
             s = step.state
-        q_logits = U if biases[0] is None else U + torch.stack(biases, dim=2)
-        conf = torch.stack(confs, dim=2) if self.config.confidence else None  # (B, A, gamma)
+        q_logits = U if biases[0] is None else U + torch.stack(biases, dim=-2)
+        conf = torch.stack(confs, dim=-1) if self.config.confidence else None  # (..., gamma)
         return BlockLogits(q_logits=q_logits, conf_logits=conf)
+
+    def block_logits(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
+                     anchors: torch.Tensor) -> BlockLogits:
+        """Teacher-forced q logits (B, A, gamma, V) and confidence logits (B, A, gamma) of every block anchored at
+        anchors (B, A). For inspection and tests: training never holds all of them (`training_loss`)."""
+        return self.head_logits(*self.block_hidden(input_ids=input_ids, features=features,
+                                                   document_ids=document_ids, anchors=anchors))
+
+    def _block_terms(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, targets: torch.Tensor,
+                     host_logits: torch.Tensor, start: int, stop: int) -> tuple:
+        """Loss terms (B, a, gamma) of the blocks start..stop-1 (a of them) of h (B, A, gamma, H), prev, slot and
+        targets (B, A, gamma), and their confidence logits (B, a, gamma) or None."""
+        out = self.head_logits(h[:, start:stop], prev[:, start:stop])
+        B, a, gamma, V = out.q_logits.shape
+        # the host's logits at each slot's input position: a copy per slot, but only of this chunk's slots
+        index = slot[:, start:stop].reshape(B, a * gamma, 1).expand(B, a * gamma, V)
+        p_logits = host_logits.gather(1, index).view(B, a, gamma, V)
+        terms = distill_terms(out.q_logits, p_logits, targets[:, start:stop])
+        return terms.ce, terms.tv, terms.accept, out.conf_logits
 
     def training_loss(self, batch: TrainBatch) -> TrainOutput:
         """L = ce_weight·L_ce + tv_weight·L_tv + conf_weight·L_conf over randomly anchored blocks."""
         cfg, gamma = self.config, self.config.gamma
         anchors, anchor_ok = sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=cfg.max_anchors,
                                             generator=batch.generator)  # (B, A)
-        out = self.block_logits(input_ids=batch.input_ids, features=batch.features,
-                                document_ids=batch.document_ids, anchors=anchors)
+        h, prev = self.block_hidden(input_ids=batch.input_ids, features=batch.features,
+                                    document_ids=batch.document_ids, anchors=anchors)  # (B, A, gamma, H)
         B, A = anchors.shape
         T, V = batch.input_ids.shape[1], batch.host_logits.shape[-1]
         slot = anchors.unsqueeze(2) + torch.arange(gamma, device=anchors.device)  # (B, A, gamma) input position
@@ -290,17 +315,19 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         # a block stops at the end of its response / document: later slots are never drafted there
         valid = (in_range & same_doc & response).long().cumprod(2).bool() & anchor_ok.unsqueeze(2)
         targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, gamma)  # x*_k
-        p_logits = batch.host_logits.gather(1, slot.flatten(1).unsqueeze(2).expand(B, A * gamma, V))
-        terms = distill_terms(out.q_logits, p_logits.view(B, A, gamma, V), targets)
+        # why chunks of blocks under checkpointing (losses.py): the (B, A, gamma, V) logits, log q, q, p and q - p of
+        # all blocks at once would be kept for backward (several GB at 2048 tokens x 512 anchors)
+        ce_terms, tv_terms, accept, conf_logits = checkpointed_chunks(
+            partial(self._block_terms, h, prev, slot, targets, batch.host_logits), A, chunk_rows(B * gamma * V))
 
         w = position_weights(gamma, decay=cfg.decay, device=anchors.device)
-        ce, tv = weighted_mean(terms.ce, w, valid), weighted_mean(terms.tv, w, valid)
+        ce, tv = weighted_mean(ce_terms, w, valid), weighted_mean(tv_terms, w, valid)
         loss = cfg.ce_weight * ce + cfg.tv_weight * tv
         parts = {"ce": ce, "tv": tv}
         if cfg.confidence:
-            parts["conf"] = weighted_mean(confidence_bce(out.conf_logits, terms.accept), w, valid)
+            parts["conf"] = weighted_mean(confidence_bce(conf_logits, accept), w, valid)
             loss = loss + cfg.conf_weight * parts["conf"]
-        acceptance = per_position_mean(terms.accept, valid)  # (gamma,)
+        acceptance = per_position_mean(accept, valid)  # (gamma,)
         parts.update(loss=loss, acceptance=acceptance.mean(), anchors=anchor_ok.sum().float())
         values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one sync for all metrics
         return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance)

@@ -19,6 +19,8 @@ using step j-1's outputs as g. Step j's query at index i stands for position i+j
 (true features) at indices <= i of its document and to steps 1..j's keys at index i only (the diagonal), exactly
 what the drafter attends to at inference after j drafted positions. Loss: soft cross-entropy against the full host
 distribution, step weights step_decay**j, on response tokens (tests check the unroll equals inference's).
+Each step's loss is taken in checkpointed chunks of positions (drafters/losses.py): no (B, T, V) logits are kept
+for backward, where autograd would otherwise hold S of them.
 why explicit attention scores there: the step-0 part is a (T, T) causal score matrix and the rest one dot product per
 earlier step; merging them into one softmax needs the scores, which SDPA does not return (memory O(S·T²), as in
 EAGLE-3's own implementation).
@@ -29,6 +31,7 @@ with the host fingerprint; the host's embedding, LM head and rotary tables are b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import per_position_mean, weighted_mean
+from drafters.losses import checkpointed_chunks, chunk_rows, per_position_mean, weighted_mean
 from dspark.engine.host import document_positions, rope
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -219,11 +222,11 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
             out = out + weights[..., T + s: T + s + 1] * v.repeat_interleave(rep, 1)
         return out  # (B, N, T, D)
 
-    def ttt_logits(self, input_ids: torch.Tensor, features: torch.Tensor,
+    def ttt_hidden(self, input_ids: torch.Tensor, features: torch.Tensor,
                    document_ids: torch.Tensor) -> Iterator[torch.Tensor]:
-        """The S unrolled steps over whole sequences (B, T): yields step j's logits (B, T, V), whose index i is the
-        draft distribution of token i+2+j from true tokens up to i+1+j and true features up to i. why a generator:
-        each step's (B, T, V) logits can be freed once its loss is taken."""
+        """The S unrolled steps over whole sequences (B, T): yields step j's layer output g (B, T, H), whose index i
+        gives the draft distribution (`_logits`) of token i+2+j from true tokens up to i+1+j and true features up
+        to i."""
         B, T = input_ids.shape
         positions = document_positions(document_ids)  # (B, T), as the host saw them
         index = torch.arange(T, device=input_ids.device)
@@ -239,7 +242,24 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
             keys.append(k)
             values.append(v)
             g = self.layer.finish(g, self._ttt_attention(q, keys, values, allowed))  # (B, T, H)
+            yield g
+
+    def ttt_logits(self, input_ids: torch.Tensor, features: torch.Tensor,
+                   document_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Step j's logits (B, T, V) of `ttt_hidden` (for inspection and tests; training never holds them all)."""
+        for g in self.ttt_hidden(input_ids, features, document_ids):
             yield self._logits(g)
+
+    def _step_terms(self, g: torch.Tensor, host_logits: torch.Tensor, start: int,
+                    stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Soft cross-entropy and c* (B, stop - start) of layer outputs g[:, start:stop] (B, t, H) against
+        host_logits[:, start:stop] (B, t, V), the host's logits of the tokens they predict."""
+        log_q = F.log_softmax(self._logits(g[:, start:stop]), dim=-1)  # (B, t, V)
+        p = F.softmax(host_logits[:, start:stop].float(), dim=-1).detach()  # (B, t, V)
+        ce = -(p * log_q).sum(-1)
+        with torch.no_grad():
+            accept = 1 - 0.5 * (log_q.exp() - p).abs().sum(-1)
+        return ce, accept
 
     def training_loss(self, batch: TrainBatch) -> TrainOutput:
         """Training-time test: soft cross-entropy of each unrolled step j against the host's full distribution of
@@ -248,16 +268,18 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         ids, doc = batch.input_ids, batch.document_ids
         T, S = ids.shape[1], self.config.ttt_length
         mask = batch.loss_mask.bool()
-        p_all = F.softmax(batch.host_logits.float(), dim=-1).detach()  # (B, T, V): p_all[:, t] targets token t+1
+        B, V = ids.shape[0], batch.host_logits.shape[-1]
+        rows = chunk_rows(B * V)
         ce, accept, valid = [], [], []
-        for j, logits in enumerate(self.ttt_logits(ids, batch.features, doc)):
-            # why slices, padded only after the V axis is reduced: (B, T, V) copies per step dominate memory
-            n = T - 1 - j  # indices i whose host distribution p_all[:, i+1+j] exists
-            log_q = F.log_softmax(logits[:, :n], dim=-1)  # (B, n, V)
-            p = p_all[:, 1 + j:]  # (B, n, V) host distribution of token i+2+j
-            ce.append(F.pad(-(p * log_q).sum(-1), (0, T - n)))  # (B, T)
-            with torch.no_grad():
-                accept.append(F.pad(1 - 0.5 * (log_q.exp() - p).abs().sum(-1), (0, T - n)))
+        for j, g in enumerate(self.ttt_hidden(ids, batch.features, doc)):
+            n = max(T - 1 - j, 0)  # indices i whose host distribution host_logits[:, i+1+j] exists
+            # why chunks under checkpointing (losses.py): autograd would otherwise keep a (B, T, V) log q per step,
+            # S of them, until backward. why partial, not a lambda: backward calls it again, after g and j moved on
+            step_ce, step_accept = checkpointed_chunks(
+                partial(self._step_terms, g, batch.host_logits[:, 1 + j:]), n, rows) if n else \
+                (g.new_zeros(B, 0, dtype=torch.float32),) * 2  # (B, n) each
+            ce.append(F.pad(step_ce, (0, T - n)))  # (B, T)
+            accept.append(F.pad(step_accept, (0, T - n)))
             # the predicted token i+2+j exists, is a response token and lies in index i's document
             valid.append(F.pad(mask[:, 2 + j:], (0, 2 + j))
                          & (F.pad(doc[:, 2 + j:], (0, 2 + j), value=-1) == doc))  # (B, T)

@@ -7,14 +7,27 @@ c = predicted confidence, c* = 1 - ½‖q - p‖₁ the analytic acceptance prob
 Every loss is a weighted mean over valid (..., k) entries with position weights w_k (DSpark/DFlash: exp(-k/4);
 EAGLE-3 TTT: 0.8^k): Σ w_k·valid·loss / Σ w_k·valid. why the mean rather than a plain sum: the scale then does not
 depend on how many anchors or tokens a batch happens to have, so one learning rate fits every batch shape.
+
+Memory: a loss over the full vocabulary makes several (..., V) tensors per entry (logits, log q, q, p, q - p), and
+autograd keeps some of them until backward. `checkpointed_chunks` computes such a loss over chunks of entries, each
+under activation checkpointing, so only one chunk's V-sized tensors exist at a time and backward recomputes them
+chunk by chunk: what stays alive between forward and backward is the small input of each chunk (hidden states) and
+its (..., K) results.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# why 2**24: one (rows, V) float32 tensor of a chunk is 64 MB; a chunk's loss makes about six of them at once, which
+# fits a laptop, while on a GPU a chunk is still a large matmul (SmolLM2: 341 rows x 49152 x 576)
+LOSS_CHUNK_ELEMENTS = 2**24
 
 
 @dataclass
@@ -56,3 +69,18 @@ def per_position_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of x (..., K) over valid entries at each position k: (K,), detached; 0 where none is valid."""
     v = valid.to(torch.float32).flatten(0, -2)  # (N, K)
     return (x.detach().float().flatten(0, -2) * v).sum(0) / v.sum(0).clamp(min=1)
+
+
+def chunk_rows(row_elements: int, budget: int | None = None) -> int:
+    """Rows per chunk so that one (rows, row_elements) tensor has at most `budget` elements (at least one row)."""
+    return max(1, (LOSS_CHUNK_ELEMENTS if budget is None else budget) // max(1, row_elements))
+
+
+def checkpointed_chunks(fn: Callable[..., tuple], n: int, rows: int, dim: int = 1) -> tuple:
+    """Concatenate fn(start, stop) over [start, stop) chunks of rows of 0..n along `dim`, each call under activation
+    checkpointing (torch.utils.checkpoint): its intermediates are freed after the call and recomputed in backward.
+    fn returns a tuple of tensors (or None) whose size along `dim` is stop - start; None outputs stay None."""
+    parts = [checkpoint(fn, start, min(start + rows, n), use_reentrant=False,
+                        preserve_rng_state=False)  # why no RNG state: the loss draws no random numbers
+             for start in range(0, n, rows)]
+    return tuple(None if outs[0] is None else torch.cat(outs, dim=dim) for outs in zip(*parts))

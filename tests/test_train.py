@@ -283,3 +283,51 @@ def test_resume_refuses_another_heldout_fraction(tmp_path):
     train(synthetic_config(tmp_path / "run", max_steps=2, save_every=2, eval_every=0))
     with pytest.raises(ValueError, match=r"heldout_fraction \(0.02 -> 0.1\)"):
         train(synthetic_config(tmp_path / "run", max_steps=4, save_every=2, eval_every=0, heldout_fraction=0.1))
+def test_default_run_on_cpu_tokenises_only_what_it_trains_on_at_cpu_sizes(tmp_path, monkeypatch):
+    """Issue 19 item 10: `dspark train --max-steps N` with no size flags and no GPU takes the CPU-sized defaults and
+    tokenises only the conversations of the rows its N steps consume (it used to tokenise all of ShareGPT)."""
+    import dspark.training.data as data_module
+
+    data = write_conversations(tmp_path / "chats.jsonl", 300)
+    tokenised = []
+    real = data_module.tokenize_chat
+    monkeypatch.setattr(data_module, "tokenize_chat", lambda *a, **k: tokenised.append(1) or real(*a, **k))
+    cfg = TrainConfig(output=str(tmp_path / "run"), host="tiny-chat", drafter="dspark",
+                      drafter_args=dict(num_layers=1, gamma=4, rank=16, num_feature_layers=2), data=data,
+                      max_steps=2, eval_every=0)
+    path = train(cfg, host=chat_host())
+    n_tokenised = len(tokenised)
+    saved = json.loads((path / "trainer_state.json").read_text())
+    assert (saved["config"]["seq_len"], saved["config"]["max_length"], saved["config"]["batch_size"]) == (384, 384, 2)
+    assert saved["config"]["drafter_args"]["max_anchors"] == 40
+    assert saved["train_rows"] == 2 * 2  # max_steps x batch_size rows, one epoch
+    resolved = train_module.resolve_sizes(cfg, torch.device("cpu"))
+    rows = train_module.build_rows(resolved, chat_host(), split="train", limit=None)
+    print(f"tokenised {n_tokenised} of {len(tokenised) - n_tokenised} training conversations for 4 of {len(rows)} rows")
+    assert n_tokenised < len(rows)  # a few short chats a 384-token row, 4 rows (+1 chat that would start the 5th)
+    # the rows read are the first rows of the full packing
+    assert [r.input_ids for r in rows[:4]] == [r.input_ids for r in train_module.build_rows(
+        resolved, chat_host(), split="train", limit=None, max_rows=4)]
+    gpu = train_module.resolve_sizes(cfg, torch.device("cuda"))  # only the device's type is read: no GPU needed
+    assert (gpu.seq_len, gpu.max_length, gpu.batch_size, gpu.drafter_args.get("max_anchors")) == (2048, 2048, 4, None)
+
+
+def test_a_step_too_large_for_the_memory_stops_at_once_naming_the_flags(tmp_path, monkeypatch):
+    """Issue 19 item 10: rather than being killed by the kernel mid-step, a run whose step cannot fit stops before
+    the first step with a message naming the flags that lower it (here: a machine with 64 MiB available)."""
+    monkeypatch.setattr(train_module, "available_memory", lambda device: 64 * 2**20)
+    tokenised = []
+    monkeypatch.setattr(train_module, "build_rows", lambda *a, **k: tokenised.append(1))
+    for drafter, knob in (("dspark", "max_anchors"), ("eagle3", "ttt_length")):
+        with pytest.raises(MemoryError, match=rf"needs at least .* GiB but only 0.1 GiB .*--batch-size, --seq-len, "
+                                              rf"--drafter-args {knob}=N"):
+            train(synthetic_config(tmp_path / drafter, drafter=drafter, drafter_args=SMALL[drafter], seq_len=2048,
+                                   batch_size=4))
+    assert not tokenised  # it stopped before reading any data
+    cfg = synthetic_config(tmp_path / "fits", drafter="eagle3", drafter_args=SMALL["eagle3"], seq_len=128)
+    host = train_module.load_host(cfg.host, device=torch.device("cpu"), dtype=torch.float32)
+    drafter = build_drafter("eagle3", host, **SMALL["eagle3"])
+    small = train_module.step_memory(cfg, host, drafter, element_size=4, sparse=False)
+    large = train_module.step_memory(train_module.replace(cfg, seq_len=2048), host, drafter, element_size=4,
+                                     sparse=False)
+    assert small < 64 * 2**20 < large  # the same drafter at 128 tokens a row fits the 64 MiB

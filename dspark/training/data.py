@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -351,26 +351,33 @@ def tokenize_chat(
     return TokenizedChat(input_ids, loss_mask)
 
 
-def tokenize_conversations(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], *, max_length: int
-) -> list[TokenizedChat]:
-    """`tokenize_chat` over many conversations (ShareGPT with SmolLM2: ~15 ms a chat here, mostly the tokenizer)."""
-    return [
-        tokenize_chat(tokenizer, c.messages, max_length=max_length)
-        for c in tqdm(conversations, desc="tokenising", unit="chat")
-    ]
+def iter_tokenized(
+    tokenizer: PreTrainedTokenizerBase, conversations: Iterable[Conversation], *, max_length: int
+) -> Iterator[TokenizedChat]:
+    """`tokenize_chat` of each conversation, one at a time (ShareGPT with SmolLM2: ~15 ms a chat here, mostly the
+    tokenizer): a consumer that stops early (`pack` with max_rows) tokenises only what it uses."""
+    total = len(conversations) if isinstance(conversations, Sized) else None
+    for c in tqdm(conversations, desc="tokenising", unit="chat", total=total):
+        yield tokenize_chat(tokenizer, c.messages, max_length=max_length)
 
 
-def pack(examples: list[TokenizedChat], *, seq_len: int) -> list[TokenizedChat]:
+def pack(examples: Iterable[TokenizedChat], *, seq_len: int, max_rows: int | None = None) -> list[TokenizedChat]:
     """Greedy next-fit packing into sequences of at most seq_len tokens; document_ids (T,) number the
-    chats inside each sequence 0, 1, ... so attention can be kept within a document. Longer chats are cut."""
+    chats inside each sequence 0, 1, ... so attention can be kept within a document. Longer chats are cut.
+
+    max_rows: stop at that many sequences, reading no example past the one that would start the next (so a lazy
+    `examples` is consumed only as far as needed); they are the first max_rows sequences of the full packing."""
     packed: list[TokenizedChat] = []
+    if max_rows is not None and max_rows < 1:
+        return packed
     current = TokenizedChat([], [], [])
     n_documents = 0
     for example in examples:
         length = min(len(example.input_ids), seq_len)
         if current.input_ids and len(current.input_ids) + length > seq_len:
             packed.append(current)
+            if len(packed) == max_rows:
+                return packed
             current, n_documents = TokenizedChat([], [], []), 0
         current.input_ids += example.input_ids[:length]
         current.loss_mask += example.loss_mask[:length]

@@ -16,7 +16,7 @@ replicated on every GPU and never wrapped. Each process takes its own rows of ev
 Checkpoints, OUTPUT/checkpoint-<step:08d>/ (written into OUTPUT/.tmp-checkpoint-<step>, fsynced, then renamed, so a
 kill -9 mid-write leaves the earlier checkpoints intact; only complete checkpoints carry the final name):
     <the drafter's save_pretrained files>     loadable with `drafters.load_drafter(path, host)`
-    trainer_state.json      step, epoch, micro-batches consumed, world size, config, python RNG state
+    trainer_state.json      step, epoch, micro-batches consumed, world size, packed rows read, config, python RNG state
     rng-<rank>.safetensors  torch CPU (and CUDA) RNG states of each process, uint8 tensors
     optimizer.safetensors   every tensor of the optimizer state_dict, keys "state.<param index>.<name>"
     optimizer.json          the rest of the optimizer state_dict (param groups, non-tensor state)
@@ -41,7 +41,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -59,7 +59,7 @@ from dspark.engine.host import Host
 from dspark.engine.jsonio import write_json_atomic
 from dspark.engine.models import load_host
 from dspark.engine.runtime import tune_cpu_allocator
-from dspark.training.data import HELDOUT_FRACTION, TokenizedChat, collate, load_conversations, pack, tokenize_conversations
+from dspark.training.data import HELDOUT_FRACTION, TokenizedChat, collate, iter_tokenized, load_conversations, pack
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,12 @@ class TrainConfig:
     heldout_fraction: float = field(default=HELDOUT_FRACTION, metadata={
         "help": "fraction of conversations held out for eval; kept in every checkpoint (trainer_state.json), where "
                 "`dspark eval` reads it, so eval's held-out prompts are the ones this run never trained on"})
-    max_length: int = field(default=2048, metadata={"help": "tokens kept per conversation (ShareGPT chats are long)"})
-    seq_len: int = field(default=2048, metadata={"help": "tokens per packed training sequence"})
-    batch_size: int = field(default=4, metadata={"help": "packed sequences per process per micro-batch"})
+    max_length: Optional[int] = field(default=None, metadata={
+        "help": "tokens kept per conversation (ShareGPT chats are long); default 2048 on a GPU, 384 without one"})
+    seq_len: Optional[int] = field(default=None, metadata={
+        "help": "tokens per packed training sequence; default 2048 on a GPU, 384 without one"})
+    batch_size: Optional[int] = field(default=None, metadata={
+        "help": "packed sequences per process per micro-batch; default 4 on a GPU, 2 without one"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -118,12 +121,86 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("max_length", "seq_len", "batch_size", "grad_accum", "save_every", "keep_checkpoints",
                      "eval_batches"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.eval_every < 0 or not 0.0 <= self.warmup_ratio < 1.0 or self.epochs <= 0:
             raise ValueError("eval_every must be >= 0, warmup_ratio in [0, 1) and epochs > 0")
+
+
+# Sizes a run leaves unset (None), by device. Without a GPU: the quickstart's `small` recipe (dspark/quickstart.py,
+# SmolLM2 on 2 CPU cores: ~4 s a step, a few GB), where the GPU sizes (2048-token rows, 4 a batch, 512 DSpark anchors
+# a row) take minutes a step and more memory than a laptop has.
+SIZE_DEFAULTS = {"cuda": dict(max_length=2048, seq_len=2048, batch_size=4),
+                 "cpu": dict(max_length=384, seq_len=384, batch_size=2)}
+CPU_DRAFTER_DEFAULTS = {"dspark": {"max_anchors": 40}, "dflash": {"max_anchors": 40}}
+
+
+def resolve_sizes(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """cfg with the sizes it leaves unset filled in for `device` (SIZE_DEFAULTS; on a CPU also the drafter's
+    CPU_DRAFTER_DEFAULTS unless --drafter-args sets them). The saved config holds the resolved values."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    sizes = {k: v for k, v in SIZE_DEFAULTS[kind].items() if getattr(cfg, k) is None}
+    drafter_args = cfg.drafter_args
+    if kind == "cpu":
+        drafter_args = {**CPU_DRAFTER_DEFAULTS.get(cfg.drafter, {}), **cfg.drafter_args}
+    if (sizes or drafter_args != cfg.drafter_args) and kind == "cpu":
+        logger.info("no GPU: CPU-sized defaults %s", {**sizes, **{f"drafter_args.{k}": v for k, v in
+                                                                 drafter_args.items() if k not in cfg.drafter_args}})
+    return replace(cfg, **sizes, drafter_args=drafter_args)
+
+
+def rows_needed(cfg: TrainConfig, world: int) -> int | None:
+    """Packed training rows a run consumes: one epoch of max_steps optimizer steps (None = all, an epoch-based run)."""
+    return None if cfg.max_steps is None else cfg.max_steps * cfg.grad_accum * cfg.batch_size * world
+
+
+def step_memory(cfg: TrainConfig, host: Host, drafter, *, element_size: int, sparse: bool) -> int:
+    """Bytes of the largest tensors one training step holds at once: a lower estimate (activations only; weights and
+    optimizer state are already allocated when it is taken). B rows of T tokens, V vocabulary, N attention heads:
+    the host's logits (B, T, V) float32 for the whole step and one host layer's attention scores (B, N, T, T); one
+    chunk of the vocabulary-sized loss (drafters/losses.py); DSpark / DFlash with the dense block mask: each backbone
+    layer's attention probabilities over A*gamma block queries x (T + A*gamma) keys, kept for backward; EAGLE-3: each
+    unrolled step's (B, N, T, T + j) scores and probabilities."""
+    from drafters.losses import LOSS_CHUNK_ELEMENTS
+
+    B, T, N, V = cfg.batch_size, cfg.seq_len, host.num_heads, host.vocab_size
+    total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(LOSS_CHUNK_ELEMENTS, B * T * V) * 4
+    config = getattr(drafter, "config", None)
+    if drafter.kind == "dspark" and not sparse:
+        slots = min(config.max_anchors, T) * config.gamma
+        total += (config.num_layers + 1) * B * N * slots * (T + slots) * element_size
+    elif drafter.kind == "eagle3":
+        total += sum(2 * B * N * T * (T + j) * element_size for j in range(config.ttt_length))
+    return total
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a step can still allocate: free GPU memory, or the host's available memory (psutil, which accelerate
+    depends on)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_step_memory(cfg: TrainConfig, host: Host, drafter, device: torch.device, *, element_size: int) -> None:
+    """Stop before the first step, with the flags that lower it, when `step_memory` exceeds what is available: a
+    step past it is killed by the kernel with no message (issue 19) or fails with CUDA out of memory."""
+    sparse = device.type == "cuda" and cfg.sparse_attention and element_size == 2
+    need, have = step_memory(cfg, host, drafter, element_size=element_size, sparse=sparse), available_memory(device)
+    if need <= have:
+        return
+    knobs = ["--batch-size", "--seq-len"]
+    if drafter.kind == "dspark":
+        knobs.append("--drafter-args max_anchors=N")
+    elif drafter.kind == "eagle3":
+        knobs.append("--drafter-args ttt_length=N")
+    raise MemoryError(f"a training step needs at least {need / 2**30:.1f} GiB but only {have / 2**30:.1f} GiB "
+                      f"{'of GPU memory is free' if device.type == 'cuda' else 'of memory is available'} "
+                      f"at batch_size={cfg.batch_size}, seq_len={cfg.seq_len}; lower it with {', '.join(knobs)}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -145,9 +222,11 @@ def synthetic_chats(n: int, *, vocab_size: int, seed: int, max_length: int) -> l
     return chats
 
 
-def build_rows(cfg: TrainConfig, host: Host, *, split: Literal["train", "heldout"],
-               limit: int | None) -> list[TokenizedChat]:
-    """Conversations -> tokenize_chat (host tokenizer, cut at max_length) -> pack into seq_len rows."""
+def build_rows(cfg: TrainConfig, host: Host, *, split: Literal["train", "heldout"], limit: int | None,
+               max_rows: int | None = None) -> list[TokenizedChat]:
+    """Conversations -> tokenize_chat (host tokenizer, cut at max_length) -> pack into seq_len rows. max_rows: the
+    first that many rows only, tokenising no conversation past them (a 20-step run reads a few dozen chats, not
+    17k ShareGPT ones)."""
     if cfg.data.startswith("synthetic"):
         n = int(cfg.data.partition(":")[2] or 256)
         n = n if split == "train" else max(8, int(n * cfg.heldout_fraction))
@@ -159,10 +238,10 @@ def build_rows(cfg: TrainConfig, host: Host, *, split: Literal["train", "heldout
                              "train on --data synthetic (tests and cost runs only)")
         conversations = load_conversations(cfg.data, split=split, heldout_fraction=cfg.heldout_fraction, limit=limit,
                                            on_error=cfg.on_error)
-        chats = tokenize_conversations(host.tokenizer, conversations, max_length=cfg.max_length)
+        chats = iter_tokenized(host.tokenizer, conversations, max_length=cfg.max_length)
     # a conversation cut before its first response token trains nothing
-    chats = [c for c in chats if sum(c.loss_mask) > 0 and len(c.input_ids) > 1]
-    return pack(chats, seq_len=cfg.seq_len)
+    chats = (c for c in chats if sum(c.loss_mask) > 0 and len(c.input_ids) > 1)
+    return pack(chats, seq_len=cfg.seq_len, max_rows=max_rows)
 
 
 @dataclass
@@ -485,19 +564,26 @@ def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, acceler
         raise TypeError(f"trainable drafter parameters must be float32 master weights, not {bad[:3]}...")
     taps = tuple(drafter.feature_layers)
     host.check_taps(taps)
+    check_step_memory(cfg, host, drafter, device, element_size=2 if use_bf16 else 4)
     pad_token_id = 0
     if host.tokenizer is not None:
         pad_token_id = host.tokenizer.pad_token_id if host.tokenizer.pad_token_id is not None else \
             (host.tokenizer.eos_token_id or 0)
 
-    train_rows = build_rows(cfg, host, split="train", limit=cfg.data_limit)
+    # the rows this run consumes, and no more; a resumed run reads the same rows as the run it continues (checkpoints
+    # of runs that read them all carry no "train_rows")
+    max_rows = rows_needed(cfg, world)
+    if resume_from is not None:
+        max_rows = json.loads((resume_from / "trainer_state.json").read_text()).get("train_rows")
+    train_rows = build_rows(cfg, host, split="train", limit=cfg.data_limit, max_rows=max_rows)
     order = DataOrder(train_rows, batch_size=cfg.batch_size, world_size=world, rank=rank, seed=cfg.seed)
     if order.per_epoch < cfg.grad_accum:
         raise ValueError(f"{len(train_rows)} packed sequences make {order.per_epoch} micro-batches of "
                          f"{cfg.batch_size} x {world} processes, fewer than grad_accum={cfg.grad_accum}")
     eval_rows = []
     if cfg.eval_every:
-        eval_rows = build_rows(cfg, host, split="heldout", limit=cfg.eval_batches * cfg.batch_size * world * 8)
+        eval_rows = build_rows(cfg, host, split="heldout", limit=cfg.eval_batches * cfg.batch_size * world * 8,
+                               max_rows=cfg.eval_batches * cfg.batch_size * world)
         if not eval_rows:
             logger.warning("no held-out conversations in %s: evaluation is off", cfg.data)
     steps_per_epoch = order.per_epoch // cfg.grad_accum
@@ -581,6 +667,7 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
     output = Path(cfg.output)
     accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=str(output))
     world = accelerator.num_processes
+    cfg = resolve_sizes(cfg, accelerator.device)  # before _start: the saved config holds the resolved sizes
     resume_from = _start(cfg, output, accelerator)
     run = setup(cfg, host, resume_from, accelerator)
     step = resume(run, resume_from)
@@ -599,7 +686,8 @@ def train(cfg: TrainConfig, host: Host | None = None) -> Path:
     def state(step: int) -> dict:
         micro = step * cfg.grad_accum
         return {"step": step, "micro_batches": micro, "epoch": micro // run.order.per_epoch,
-                "micro_in_epoch": micro % run.order.per_epoch, "world_size": world, "config": to_dict(cfg)}
+                "micro_in_epoch": micro % run.order.per_epoch, "world_size": world,
+                "train_rows": len(run.train_rows), "config": to_dict(cfg)}
 
     def save(step: int) -> Path:
         return save_checkpoint(accelerator=accelerator, drafter=accelerator.unwrap_model(model).drafter,

@@ -1,7 +1,7 @@
 """The recorded SmolLM2 run on one H200: self-distil, train DSpark / DFlash / EAGLE-3, evaluate, calibrate, sweep.
 
 Every step is a `dspark` command (run in this process through `dspark.cli.main`, so Python and the host load once
-per phase) or `dspark train` in a subprocess (the three drafters train side by side on the one GPU). Every step
+per phase) or `dspark train` in a subprocess (the drafters train one after another on the one GPU). Every step
 skips or resumes what an earlier, interrupted call already finished, so a phase can simply be run again.
 
     python experiments/runs/smollm2_h200.py prepare regenerate train     # phase A
@@ -18,18 +18,20 @@ calibration.png, sweep.png, cost.json, engine.json and details.tar.gz (metrics.j
 Settings are the constants below; same data and the same budget for the three drafters, gamma = 7.
 
 Environment knobs: STEPS (default 2000); BACKBONE_LAYERS (DSpark / DFlash depth, default 5); MAX_ANCHORS (DSpark /
-DFlash blocks per training row, default 1024); TRAIN_WAIT_S (how
-long `train` waits in this call); ONLY=dspark,... (a subset of the drafters, e.g. one per session so that it trains
-alone on the GPU); REGEN_FROM=FILE[.gz] (copy a recorded regeneration instead of regenerating:
-experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03 H200 one, 5482 prompts, sha256 of the plain JSONL
-5b0bbce1...eef4802); SKIP_SCHEDULER / SKIP_SWEEP / SKIP_DETERMINISM (drafter tau only); SKIP_BASELINES (no plain /
-n-gram rows: model-free, the same every run); DRY_RUN (the whole pipeline in minutes on a CPU).
+DFlash blocks per training row, default 1024); TRAIN_WAIT_S (how long `train` waits in this call); SIDE_BY_SIDE=1
+(the trainings at once, each capped at an equal share of the GPU's memory, instead of one after another);
+ONLY=dspark,... (a subset of the drafters, e.g. one per session); REGEN_FROM=FILE[.gz] (copy a recorded
+regeneration instead of regenerating: experiments/data/sharegpt_smollm2_regen.jsonl.gz is the 2026-12-03 H200 one,
+5482 prompts, sha256 of the plain JSONL 5b0bbce1...eef4802); SKIP_SCHEDULER / SKIP_SWEEP / SKIP_DETERMINISM (drafter
+tau only); SKIP_BASELINES (no plain / n-gram rows: model-free, the same every run); DRY_RUN (the whole pipeline in
+minutes on a CPU).
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tarfile
@@ -69,7 +71,7 @@ DRAFTERS = {  # EAGLE-3 as published (one layer, TTT = gamma)
     "dflash": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", f"max_anchors={MAX_ANCHORS}"],
     "eagle3": [f"ttt_length={GAMMA}"],
 }
-if os.environ.get("ONLY"):  # ONLY=dspark,eagle3: train / evaluate a subset (one drafter per session, alone on the GPU)
+if os.environ.get("ONLY"):  # ONLY=dspark,eagle3: train / evaluate a subset (e.g. one drafter per session)
     DRAFTERS = {name: DRAFTERS[name] for name in os.environ["ONLY"].split(",")}
 COMMON = f"""host: smollm2
 data: {DATA}
@@ -156,48 +158,109 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+# A training process that dies is restarted (it resumes from its last checkpoint), unless it died the same way as
+# the time before: then the driver stops and names the cause. why: on the H200 the DSpark process died of CUDA
+# memory at step 0 three times next to EAGLE-3's cached allocations ("Process ... has 112.11 GiB memory in use"),
+# and restarting it into the same GPU could never succeed.
+MAX_FAILURES = 3  # failures of one training, whatever their causes, before the driver gives up on it
+POLL_S = 10.0
+# SIDE_BY_SIDE=1: the trainings run at once, each capped at an equal share of the GPU's memory; by default they run
+# one after another, each with the whole GPU (the share caps each process's caching allocator, which otherwise keeps
+# every block it ever held: EAGLE-3's alone filled 112 of the H200's 140 GiB)
+SIDE_BY_SIDE = bool(os.environ.get("SIDE_BY_SIDE"))
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
+
+
+def failure_cause(log: str) -> str:
+    """The cause of a training's death from its log: the last exception line (e.g. "torch.OutOfMemoryError: CUDA
+    out of memory. ..."), or a note that there is none (a kill by the kernel or a signal leaves no traceback)."""
+    causes = [m.group(1).strip() for line in log.replace("\r", "\n").splitlines() if (m := _ERROR_LINE.match(line))]
+    return causes[-1][:500] if causes else "it exited with no Python error in its log (killed by the kernel or a signal?)"
+
+
+def same_failure(a: str, b: str) -> bool:
+    """Whether two causes are the same failure: equal but for their numbers (sizes, pids, step counts)."""
+    number = re.compile(r"\d+(?:\.\d+)?")
+    return number.sub("N", a) == number.sub("N", b)
+
+
+def _train_command(name: str, args: list[str], memory_share: float | None) -> list[str]:
+    argv = ["--config", str(RUN / "common.yaml"), "--drafter", name, "--output", str(RUN / name), "--drafter-args",
+            *args]
+    if memory_share is None:
+        return [sys.executable, "-m", "dspark.training.train", *argv]
+    # why in the child, before anything touches CUDA: the cap is per process, set through torch's own API
+    code = (f"import sys, torch; torch.cuda.set_per_process_memory_fraction({memory_share!r}); "
+            "from dspark.training.train import main_train; main_train(sys.argv[1:])")
+    return [sys.executable, "-c", code, *argv]
+
+
 def train() -> None:
-    """Start (or resume) the three trainings detached from this process, then wait for them up to TRAIN_WAIT_S.
+    """Start (or resume) the trainings detached from this process, one after another (SIDE_BY_SIDE=1: all at once,
+    each with a share of the GPU's memory), and wait for them up to TRAIN_WAIT_S.
 
     A device call lasts at most 10 minutes, a training longer: the trainings run in their own sessions, so they
-    outlive the call that started them, and the next call's `train` finds them running (pid file) and waits again.
-    A training that died is started again and resumes from its last checkpoint (resume=auto).
+    outlive the call that started them, and the next call's `train` finds them running (pid file), waits again and
+    starts the next. A training that died is started again and resumes from its last checkpoint (resume=auto),
+    unless it died the same way as before (or MAX_FAILURES times): then this stops with the cause.
     """
     (RUN / "common.yaml").write_text(COMMON)
-    pids_file = RUN / "train_pids.json"
+    pids_file, failures_file = RUN / "train_pids.json", RUN / "train_failures.json"
+    # name -> {"pid", "log_offset"}: where the log stood at the launch, so a death is read from its own lines only
     pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
-    restarts = dict.fromkeys(DRAFTERS, 0)
+    failures = json.loads(failures_file.read_text()) if failures_file.exists() else {}
+    share = round(0.95 / len(DRAFTERS), 3) if SIDE_BY_SIDE else None  # why 0.95: the CUDA contexts need some too
+
+    def alive(name: str) -> bool:
+        return name in pids and _alive(pids[name]["pid"])
+
+    def died(name: str) -> None:
+        log = RUN / f"train_{name}.log"
+        with open(log, "rb") as fh:
+            fh.seek(pids[name]["log_offset"])
+            cause = failure_cause(fh.read().decode(errors="replace"))
+        del pids[name]
+        pids_file.write_text(json.dumps(pids))
+        before = failures.get(name, [])
+        failures[name] = before + [cause]
+        failures_file.write_text(json.dumps(failures, indent=1))
+        say(f"{name} stopped before step {STEPS}: {cause}")
+        if before and same_failure(before[-1], cause):
+            raise SystemExit(f"{name} training failed twice the same way, not restarting it: {cause} (see {log})")
+        if len(failures[name]) >= MAX_FAILURES:
+            raise SystemExit(f"{name} training failed {len(failures[name])} times, last: {cause} (see {log})")
 
     def launch() -> None:
-        for name, args in DRAFTERS.items():
-            if _finished(name) or (name in pids and _alive(pids[name])) or restarts[name] >= 2:
+        todo = [n for n in DRAFTERS if not _finished(n)]
+        for name in todo:
+            if name in pids and not alive(name):
+                died(name)
+        running = [n for n in todo if alive(n)]
+        for name in todo if SIDE_BY_SIDE else ([] if running else todo[:1]):
+            if alive(name):
                 continue
-            log = open(RUN / f"train_{name}.log", "a")
-            cmd = [sys.executable, "-m", "dspark.training.train", "--config", str(RUN / "common.yaml"),
-                   "--drafter", name, "--output", str(RUN / name), "--drafter-args", *args]
-            say(("restarting (it stopped): " if name in pids else "") + " ".join(cmd))
-            restarts[name] += name in pids
-            pids[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True).pid
+            log = RUN / f"train_{name}.log"
+            cmd = _train_command(name, DRAFTERS[name], share)
+            say(("restarting: " if name in failures else "") + " ".join(cmd))
+            offset = log.stat().st_size if log.exists() else 0
+            with open(log, "a") as out:
+                pid = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True).pid
+            pids[name] = {"pid": pid, "log_offset": offset}
         pids_file.write_text(json.dumps(pids))
 
-    # why restarts: on the H200 one of three trainings once died at step 0 (its log was lost with the machine;
-    # most likely CUDA memory still held by the regeneration in this process); a restart resumes, up to twice
     launch()
     deadline = time.time() + float(os.environ.get("TRAIN_WAIT_S", 1e9))
-    while time.time() < deadline:
-        time.sleep(10)
-        launch()  # restarts any that died
-        if not any(not _finished(n) and _alive(pids.get(n, -1)) for n in DRAFTERS):
-            break
+    while time.time() < deadline and any(not _finished(n) for n in DRAFTERS):
+        time.sleep(POLL_S)
+        launch()  # the next one in turn, or a restart of one that died
     for name in DRAFTERS:
-        log = (RUN / f"train_{name}.log").read_text(errors="replace").replace("\r", "\n").splitlines()
-        say(f"{name}: {'finished' if _finished(name) else 'running' if _alive(pids.get(name, -1)) else 'STOPPED'}"
-            f" | {log[-1][-160:] if log else ''}")
+        log = (RUN / f"train_{name}.log").read_text(errors="replace").replace("\r", "\n").splitlines() \
+            if (RUN / f"train_{name}.log").exists() else []
+        state = "finished" if _finished(name) else "running" if alive(name) else "waiting"
+        say(f"{name}: {state} | {log[-1][-160:] if log else ''}")
     unfinished = [n for n in DRAFTERS if not _finished(n)]
-    if unfinished and not any(_alive(pids.get(n, -1)) for n in unfinished):
-        raise SystemExit(f"trainings stopped before step {STEPS}: {unfinished}; see {RUN}/train_*.log")
     if unfinished:
-        say(f"still training {unfinished}: run `train` again to keep waiting")
+        say(f"still to train {unfinished}: run `train` again to keep waiting")
         raise SystemExit(0)
 
 
