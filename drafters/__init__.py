@@ -67,8 +67,9 @@ def _build_eagle3(host, checkpoint, **overrides):
 
 def _build_small_lm(host, checkpoint, **overrides):
     if checkpoint is None:
-        raise ValueError("the small-lm drafter needs checkpoint=<a local model directory, or a hub id in the local HF "
-                         "cache> of a causal LM sharing the host's tokenizer")
+        raise ValueError("the small-lm drafter needs checkpoint=<a causal LM sharing the host's tokenizer: a packaged "
+                         "host name such as qwen2.5-coder-0.5b, a .gguf file, a local model directory, or a hub id "
+                         "in the local HF cache>")
     return SmallLMDrafter.from_pretrained(checkpoint, host, **overrides)
 
 

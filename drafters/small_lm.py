@@ -47,22 +47,15 @@ class SmallLMDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, path_or_name: str | os.PathLike, host, *, dtype: torch.dtype | None = None):
-        """Load the small LM with transformers from a local directory or the local HF cache (never downloads)."""
-        from transformers import AutoModelForCausalLM
+        """Load the small LM the way hosts load (`dspark.engine.models`): a packaged host name such as
+        `qwen2.5-coder-0.5b`, a .gguf file, a local directory, a hub id in the local HF cache (never downloads)
+        or `random:<shape>`. Its vocabulary, and its tokenizer when both have one, must be the host's."""
+        from dspark.engine.models import load_model_and_tokenizer
 
-        from dspark.engine.models import require_safetensors
-
-        if os.path.isdir(path_or_name):
-            require_safetensors(path_or_name)
-        model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=dtype or host.dtype, local_files_only=True,
-                                                     attn_implementation="sdpa", use_safetensors=True)
+        model, tokenizer = load_model_and_tokenizer(str(path_or_name), dtype=dtype or host.dtype, device=host.device)
         drafter = cls(model, host)
-        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if host.tokenizer is not None and os.path.isdir(path_or_name) and any(
-                os.path.exists(os.path.join(path_or_name, f)) for f in tokenizer_files):
-            from transformers import AutoTokenizer
-
-            check_same_tokenizer(AutoTokenizer.from_pretrained(path_or_name), host, source=str(path_or_name))
+        if tokenizer is not None and host.tokenizer is not None:
+            check_same_tokenizer(tokenizer, host, source=str(path_or_name))
         return drafter
 
     def save_pretrained(self, path: str | os.PathLike) -> None:

@@ -29,7 +29,9 @@ from dspark.config import ConfigError, parse
 
 @dataclass
 class HostOptions:
-    host: str = field(default="smollm2", metadata={"help": "host: smollm2, random:<shape>, a directory or a cached hub id"})
+    host: str = field(default="smollm2", metadata={
+        "help": "host: smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, a .gguf file, random:<shape>, a directory or a "
+                "cached hub id"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda, cuda:1, ..."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16"})
     deterministic: bool = field(default=False, metadata={
@@ -44,7 +46,8 @@ class DecodeOptions:
                 "--drafter-path the checkpoint's weights, without it random weights (a warning). Never a folder, "
                 "even one of the same name: folders go to --drafter-path"})
     drafter_path: Optional[str] = field(default=None, metadata={
-        "help": "a save_pretrained drafter directory (or a `dspark train --output` directory: its newest checkpoint)"})
+        "help": "a save_pretrained drafter directory (or a `dspark train --output` directory: its newest checkpoint); "
+                "with --drafter small-lm, the small LM named like a host (e.g. qwen2.5-coder-0.5b)"})
     verifier: Literal["full", "threshold", "scheduler", "lagged"] = field(default="full", metadata={
         "help": "how many drafts each request verifies per round"})
     threshold: Optional[float] = field(default=None, metadata={"help": "confidence threshold (--verifier threshold)"})

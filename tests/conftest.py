@@ -34,6 +34,10 @@ def tiny_model(kind: str = "llama", *, vocab: int = 128, hidden: int = 64, layer
     # peaked like a real LM so greedy comparisons are not decided by float noise
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        if kind == "qwen2":  # why: transformers initialises biases to zero; real Qwen2 q/k/v biases are not
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
     return model.eval()
 
 

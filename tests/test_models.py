@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from dspark.engine import models
+from dspark.engine import models, packaged_hosts
 from dspark.engine.models import (
     SUPPORTED_MODEL_TYPES,
     check_supported,
@@ -114,6 +114,13 @@ def test_dtype_is_respected():
         ("random:smollm2", "LlamaForCausalLM", 0.1345,
          dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
               intermediate_size=1536, vocab_size=49152)),
+        # 0.630 B is the converted qwen2.5-coder-0.5b's count, parameter for parameter (630,167,424)
+        ("random:qwen2.5-coder-1.5b", "Qwen2ForCausalLM", 1.777,
+         dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+              intermediate_size=8960, vocab_size=151936)),
+        ("random:qwen2.5-coder-0.5b", "Qwen2ForCausalLM", 0.6302,
+         dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=4864, vocab_size=151936)),
     ],
 )
 def test_realistic_shapes_on_meta(spec, cls, params_billions, fields):
@@ -176,7 +183,7 @@ def test_smollm2_from_a_gguf_file_without_the_package(tmp_path, monkeypatch):
     """A machine that cannot install the wheel (the staged GPU machine) names the copied GGUF instead."""
     gguf = tmp_path / "staged" / "smollm2.gguf"
     gguf.parent.mkdir()
-    shutil.copy(models._smollm2_gguf(), gguf)
+    shutil.copy(packaged_hosts.part_files("smollm2")[0], gguf)
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("DSPARK_SMOLLM2_GGUF", str(gguf))
     real_find_spec = importlib.util.find_spec
@@ -224,10 +231,10 @@ def test_smollm2_converts_once_then_loads_the_safetensors_cache(tmp_path, monkey
         expected = model(ids).logits  # (1, T, V)
     del model
 
-    def no_conversion(target):
+    def no_conversion(gguf, target, **options):
         raise AssertionError("the second load must read the safetensors cache, not the GGUF")
 
-    monkeypatch.setattr(models, "_convert_smollm2_gguf", no_conversion)
+    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
     start = time.perf_counter()
     cached, cached_tokenizer = load_model_and_tokenizer("smollm2")
     assert time.perf_counter() - start < 15  # ~1 s measured; generous for a shared CPU

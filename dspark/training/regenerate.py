@@ -44,7 +44,8 @@ class RegenerateConfig:
     """Everything `dspark regenerate` accepts; each field is a flag and a YAML key."""
 
     output: str = field(metadata={"help": "output JSONL file (appended to; existing ids are skipped)"})
-    host: str = field(default="smollm2", metadata={"help": "host model: smollm2, a path or hub id"})
+    host: str = field(default="smollm2", metadata={
+        "help": "host model: smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, a path or hub id"})
     data: str = field(default="sharegpt", metadata={
         "help": "conversations to take prompts from (see dspark.training.data)"})
     split: Literal["train", "heldout", "all"] = field(default="train", metadata={"help": "which split's prompts"})

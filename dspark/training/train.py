@@ -75,7 +75,8 @@ class TrainConfig:
     """Everything `dspark train` accepts; each field is a flag (`--max-steps`) and a YAML key (`max_steps`)."""
 
     output: str = field(metadata={"help": "output directory: checkpoints, metrics.jsonl, training curve"})
-    host: str = field(default="smollm2", metadata={"help": "host model: smollm2, random:<shape>, a path or hub id"})
+    host: str = field(default="smollm2", metadata={
+        "help": "host model: smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, random:<shape>, a path or hub id"})
     drafter: Literal["dspark", "dflash", "eagle3", "mtp"] = field(default="dspark", metadata={"help": "drafter kind"})
     drafter_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "drafter overrides passed to build_drafter, e.g. --drafter-args num_layers=3 gamma=7 head=rnn"})
