@@ -54,6 +54,13 @@ class Drafter:
     """
 
     name: str = "drafter"
+    #: attributes holding per-request state, batch-major (a KVCache's batch rows, or a tensor's dim 0). The slot
+    #: engine (dspark.engine.slots) admits a request into a free slot by running begin/observe on a sub-batch and
+    #: writing these rows into the full batch's state in place; the static batch is the case of one admission.
+    slot_state: tuple[str, ...] = ()
+    #: True when propose/observe are tensor-only (no host syncs, no Python branching on values) and update state in
+    #: place: the slot engine may then capture them in a CUDA graph
+    capturable: bool = False
     #: host layers whose raw outputs this drafter consumes (concatenated in this order); () = none
     feature_layers: tuple[int, ...] = ()
 

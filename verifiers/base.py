@@ -55,6 +55,8 @@ class Verifier:
     #: True when every length is K (or the drafter's own lengths): the decode loop then sizes the verify
     #: forward as K + 1 without reading the lengths back from the device
     static_length: bool = False
+    #: True when lengths() is tensor-only and keeps no Python state: the slot engine may capture it in a CUDA graph
+    capturable: bool = False
 
     def begin(self, *, batch_size: int) -> None:
         """Reset per-batch state."""

@@ -15,6 +15,7 @@ class VerifyAll(Verifier):
 
     name = "full"
     static_length = True
+    capturable = True
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         if proposal.lengths is not None:
