@@ -29,6 +29,7 @@ class NoDrafter(Drafter):
     """Proposes nothing: the loop degenerates to plain autoregressive decoding."""
 
     name = "none"
+    capturable = True
 
     def propose(self, state: DraftState, K: int) -> Proposal:
         return Proposal(tokens=state.seq.new_zeros(state.seq.shape[0], 0))

@@ -140,3 +140,23 @@ def test_bad_concurrency_is_refused(tiny_host):
         generate(tiny_host, [[1, 2]], concurrency=0)
     with pytest.raises(ValueError, match="engine"):
         generate(tiny_host, [[1, 2]], engine="fast")
+
+
+def test_device_ngram_lookup_equals_the_python_rule():
+    from drafters.base import DraftState
+    from drafters.ngram import NgramDrafter
+
+    g = torch.Generator().manual_seed(3)
+    for max_n, min_n in ((3, 1), (4, 2), (1, 1)):
+        drafter = NgramDrafter(max_ngram=max_n, min_ngram=min_n)
+        seq = torch.randint(0, 5, (40, 30), generator=g)  # a small vocabulary: many matches of every length
+        length = torch.randint(1, 31, (40,), generator=g)
+        state = DraftState(seq=seq, seq_len=length, seeds=torch.zeros(40, dtype=torch.long),
+                           rounds=torch.zeros(40, dtype=torch.long), sampling=GREEDY)
+        for K in (1, 4, 7):
+            got = drafter.propose(state, K)
+            for b in range(40):
+                want = drafter._lookup(seq[b, : int(length[b])].tolist(), K)
+                n = int(got.lengths[b])
+                assert got.tokens[b, :n].tolist() == want and n == len(want)
+                assert got.tokens[b, n:].eq(0).all()

@@ -117,31 +117,34 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
 def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int) -> list[int]:
     """Commit each live slot's tokens from the packed round output (C, K+1+4); returns the slots that stopped."""
     live_slots = [s for s, r in enumerate(slots.request) if r is not None]
-    info = packed[:, K + 1:]
-    bad = [slots.request[s].index for s in live_slots if not bool(info[s, FINITE])]
+    table = packed.tolist()  # why one conversion: per-element tensor indexing costs microseconds each, C per round
+    bad = [slots.request[s].index for s in live_slots if not table[s][K + 1 + FINITE]]
     if bad:
         raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
                                  f"in round {round_index} for request(s) {bad}; no token of that round was accepted")
     rows = torch.tensor(live_slots, dtype=torch.long)
     before = slots.remaining_cpu[rows].clone()
+    remaining = slots.remaining_cpu.tolist()
     done = []
     for s in live_slots:
-        count = int(info[s, N_ACCEPTED]) + 1
-        _, live, slots.remaining_cpu[s] = sink.take(slots.request[s], packed[s, :count].tolist(),
-                                                    int(slots.remaining_cpu[s]))
+        row = table[s]
+        _, live, remaining[s] = sink.take(slots.request[s], row[: row[K + 1 + N_ACCEPTED] + 1], remaining[s])
         if not live:
             done.append(s)
-    slots.cache_len[rows] += info[rows, N_ACCEPTED] + 1
+    slots.remaining_cpu[:] = torch.tensor(remaining)
+    info = packed[rows, K + 1:]  # (live, 4)
+    slots.cache_len[rows] += info[:, N_ACCEPTED] + 1
     log = sink.log
     log.request.append(torch.tensor([slots.request[s].index for s in live_slots], dtype=torch.long))
     log.round.append(slots.rounds_cpu[rows].clone())
     slots.rounds_cpu[rows] += 1
-    log.proposed.append(info[rows, PROPOSED].clone())
-    log.verified.append(info[rows, VERIFIED].clone())
-    log.accepted.append(info[rows, N_ACCEPTED].clone())
+    log.proposed.append(info[:, PROPOSED].clone())
+    log.verified.append(info[:, VERIFIED].clone())
+    log.accepted.append(info[:, N_ACCEPTED].clone())
     log.committed.append(before - slots.remaining_cpu[rows])
-    # device-side copy; read back with the rest of the log at the end (no second sync per round)
-    log.confidence.append(None if draft.confidence is None else draft.confidence[rows.to(draft.confidence.device)].float())
+    # a device-side copy, read back with the rest of the log at the end (no second sync per round)
+    log.confidence.append(None if draft.confidence is None
+                          else draft.confidence[rows.to(draft.confidence.device)].float())
     log.batch.append(len(live_slots))
     log.time.append(time.perf_counter() - sink.t0)
     return done
