@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
-from dspark.decode import generate  # noqa: E402
+from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
 

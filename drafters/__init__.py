@@ -10,13 +10,13 @@ import os
 import warnings
 from typing import Callable
 
-from drafters.base import Drafter
 from drafters.checkpoint import CheckpointError, read_config
 from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.mtp import MTPConfig, MTPDrafter
 from drafters.ngram import NgramDrafter
 from drafters.small_lm import SmallLMDrafter
+from dspark.engine.protocol import Drafter
 
 #: checkpoint kind (config.json "kind") -> drafter class with from_pretrained(dir, host)
 DRAFTER_KINDS: dict[str, type] = {

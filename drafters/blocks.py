@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers.activations import ACT2FN
 
-from dspark.kv_cache import KVCache
+from dspark.engine.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

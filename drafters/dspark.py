@@ -16,7 +16,7 @@ Design choices:
   - The backbone always runs the trained block of gamma slots (the block attends bidirectionally, so its hidden
     states depend on the number of slots) and the head drafts the first K; K > gamma is refused, since positions
     past gamma were never trained.
-  - The context cache is a `dspark.kv_cache.KVCache` with one entry per backbone layer: observe() writes
+  - The context cache is a `dspark.engine.kv_cache.KVCache` with one entry per backbone layer: observe() writes
     K(H_ctx), V(H_ctx) of newly committed positions by absolute position and sets each row's length, so rejected
     positions are simply overwritten next round.
   - Confidence for head "none" reads [h_k] only (there is no W1 table to embed x_{k-1}); DFlash turns it off.
@@ -28,13 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
+from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context,
                              document_positions, inference_mask, sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import confidence_bce, distill_terms, per_position_mean, position_weights, weighted_mean
-from dspark.kv_cache import KVCache
-from dspark.sampling import STREAM_DRAFT, process, sample
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 HEADS = ("markov", "gated", "rnn", "none")
 

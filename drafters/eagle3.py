@@ -35,12 +35,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
+from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import MLP, LayerShape, RMSNorm, document_positions, rope
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import per_position_mean, weighted_mean
-from dspark.kv_cache import KVCache
-from dspark.sampling import STREAM_DRAFT, process, sample
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from drafters.base import DraftState, Drafter, Proposal, TrainBatch, TrainOutput
+from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask,
                              document_positions, inference_mask)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import distill_terms, per_position_mean, weighted_mean
-from dspark.kv_cache import KVCache
-from dspark.sampling import STREAM_DRAFT, process, sample
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 @dataclass

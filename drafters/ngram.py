@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import DraftState, Drafter, Proposal
+from dspark.engine.protocol import DraftState, Drafter, Proposal
 
 
 class NgramDrafter(Drafter):

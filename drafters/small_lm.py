@@ -3,7 +3,7 @@ autoregressively from the committed tokens alone (no host features).
 
 Shapes: B requests, T tokens in a step, K draft positions, V vocabulary (the host's, which the small LM must share).
 
-The small LM runs through its own `dspark.host.Host` adapter and ragged `KVCache`. Its cache holds the committed
+The small LM runs through its own `dspark.engine.host.Host` adapter and ragged `KVCache`. Its cache holds the committed
 tokens it has already fed (`cache.lengths`); a round feeds the pending committed tokens (the anchor, and on the
 first round the prompt; after a round whose K drafts were all accepted also x_K, which was drafted but never fed)
 as one ragged step, then drafts x2..xK one token at a time past the committed length. Drafted positions whose
@@ -16,10 +16,10 @@ import os
 
 import torch
 
-from drafters.base import DraftState, Drafter, Proposal
-from dspark.host import Host
-from dspark.kv_cache import KVCache
-from dspark.sampling import STREAM_DRAFT, process, sample
+from dspark.engine.host import Host
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.sampling import STREAM_DRAFT, process, sample
 
 
 def check_same_tokenizer(tokenizer, host, *, source: str) -> None:
@@ -51,7 +51,7 @@ class SmallLMDrafter(Drafter):
         """Load the small LM with transformers from a local directory or the local HF cache (never downloads)."""
         from transformers import AutoModelForCausalLM
 
-        from dspark.models import require_safetensors
+        from dspark.engine.models import require_safetensors
 
         if os.path.isdir(path_or_name):
             require_safetensors(path_or_name)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    # why lazy (PEP 562): dspark.api imports the drafters package, whose modules import dspark.sampling; an eager
+    # why lazy (PEP 562): dspark.api imports the drafters package, whose modules import dspark.engine.sampling; an eager
     # import here made `import drafters` (or `from drafters import load_drafter`) in a fresh interpreter circular
     if name in __all__:
         return getattr(importlib.import_module("dspark.api"), name)

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import torch
 
-from dspark.decode import GenerationResult
-from dspark.decode import generate as decode_generate
-from dspark.host import Host
-from dspark.sampling import SamplingConfig
+from dspark.engine.decode import GenerationResult
+from dspark.engine.decode import generate as decode_generate
+from dspark.engine.host import Host
+from dspark.engine.sampling import SamplingConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -50,7 +50,7 @@ def set_deterministic(enabled: bool = True) -> None:
     Sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless already set; cuBLAS reads it when CUDA starts, so call this
     before the host is loaded), torch.use_deterministic_algorithms, cudnn deterministic without autotuning, and
     turns TF32 off (fp32 matmuls and convolutions in full precision). `enabled=False` restores torch's defaults.
-    Sampling noise needs none of this: it is counter-based (dspark.sampling), never a stateful generator.
+    Sampling noise needs none of this: it is counter-based (dspark.engine.sampling), never a stateful generator.
     """
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -90,10 +90,10 @@ def tune_cpu_allocator() -> bool:
 
 def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto",
               device: str | torch.device = "auto") -> Host:
-    """The host model `name_or_path` (see dspark.models: "smollm2", a local directory, a cached hub id or
+    """The host model `name_or_path` (see dspark.engine.models: "smollm2", a local directory, a cached hub id or
     "random:<shape>"), wrapped for the decode loop. `.model` is the transformers model, `.tokenizer` its
     tokenizer (None for random hosts)."""
-    from dspark.models import load_model_and_tokenizer
+    from dspark.engine.models import load_model_and_tokenizer
 
     device = resolve_device(device)
     model, tokenizer = load_model_and_tokenizer(name_or_path, dtype=resolve_dtype(dtype, device), device=device)
@@ -177,9 +177,9 @@ def encode_prompts(host: Host, prompts, *, chat: bool = True) -> list[list[int]]
         else:
             messages = list(prompt)
         if chat and host.tokenizer.chat_template is not None:
-            from dspark.models import render_chat
+            from dspark.engine.models import render_chat
 
-            # the template holds the bos token; tokenising its text once matches dspark.data's training rows
+            # the template holds the bos token; tokenising its text once matches dspark.training.data's training rows
             ids = host.tokenizer(render_chat(host.tokenizer, messages), add_special_tokens=False)["input_ids"]
         else:
             ids = host.tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]

@@ -5,7 +5,7 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark generate --prompt "..." [--drafter ngram|dspark|... | --drafter-path DIR] [--json]
     dspark eval --drafter-path DIR --data sharegpt --temperature 1 --json
     dspark compare --run a.json --against b.json    tau ratio of two evals with a paired bootstrap interval
-    dspark train / regenerate                     see dspark.train, dspark.regenerate
+    dspark train / regenerate                     see dspark.training.train, dspark.training.regenerate
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
     dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram)
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
@@ -163,7 +163,7 @@ def cmd_generate(argv) -> int:
 def eval_prompts(host, opts: EvalOptions) -> list[list[int]]:
     """Token ids of up to `limit` prompts of the data split that fit `max_prompt_length`."""
     from dspark.api import encode_prompts
-    from dspark.data import load_conversations, prompts
+    from dspark.training.data import load_conversations, prompts
 
     if opts.offset < 0 or opts.limit < 1:
         raise ConfigError(f"--offset must be >= 0 and --limit >= 1, got {opts.offset} and {opts.limit}")
@@ -356,8 +356,8 @@ def bench_prompts(host, n: int) -> list[list[int]]:
 def cmd_bench(argv) -> int:
     from dspark.api import resolve_drafter, resolve_verifier
     from dspark.engine.workload import bench
-    from dspark.sampling import SamplingConfig
-    from verifiers.base import write_json_atomic
+    from dspark.engine.sampling import SamplingConfig
+    from dspark.engine.jsonio import write_json_atomic
 
     h, d, b = parse([HostOptions, DecodeOptions, BenchOptions], argv, prog="dspark bench")
     if b.num_prompts < 1 or any(c < 1 for c in b.concurrency):
@@ -382,14 +382,14 @@ def cmd_bench(argv) -> int:
 
 
 def cmd_train(argv) -> int:
-    from dspark.train import main_train
+    from dspark.training.train import main_train
 
     main_train(argv)
     return 0
 
 
 def cmd_regenerate(argv) -> int:
-    from dspark.regenerate import main_regenerate
+    from dspark.training.regenerate import main_regenerate
 
     main_regenerate(argv)
     return 0

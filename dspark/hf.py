@@ -15,7 +15,7 @@ Shapes: B rows of input_ids, P padded prompt length, G generated length (the lon
 
 transformers (>= 5.17) prepares the inputs, the GenerationConfig, its logits processors and stopping criteria,
 then calls the callable in place of its own decoding loop. The callable strips each row's left padding, decodes
-the prompts with dspark.decode.generate (lossless: greedy output is transformers' greedy output token for token,
+the prompts with dspark.engine.decode.generate (lossless: greedy output is transformers' greedy output token for token,
 sampled output follows the same distribution) and returns what generate() returns: the padded input_ids followed
 by the new tokens, rows that finished early padded with pad_token_id (the first eos id when unset, as in
 transformers).
@@ -59,11 +59,11 @@ from transformers.generation import (EosTokenCriteria, GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
-from dspark import decode
 from dspark.api import resolve_drafter, resolve_verifier
-from dspark.decode import RoundLog
-from dspark.host import Host
-from dspark.sampling import STREAM_SAMPLE, SamplingConfig, process, sample
+from dspark.engine import decode
+from dspark.engine.decode import RoundLog
+from dspark.engine.host import Host
+from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, process, sample
 
 # Processors whose effect the loop reproduces exactly: the sampling warpers become the SamplingConfig, the two
 # minimum-length processors are the eos suppression below, and log-softmax renormalisation changes no draw.

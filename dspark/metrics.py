@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from dspark.decode import GenerationResult
+from dspark.engine.decode import GenerationResult
 
 
 def _ratio(a: float, b: float) -> float:

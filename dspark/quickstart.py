@@ -68,7 +68,7 @@ DRAFT_LENGTH = 7
 def training_config(size: Size, *, output: str, **overrides):
     """The quickstart's DSpark training recipe at `size` as a TrainConfig; `overrides` replace fields (the CPU
     benchmarks reuse the recipe this way instead of copying its numbers)."""
-    from dspark.train import TrainConfig
+    from dspark.training.train import TrainConfig
 
     cfg = TrainConfig(
         output=output, host="smollm2", drafter="dspark",
@@ -86,11 +86,11 @@ def _say(step: int, total: int, text: str) -> None:
 def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
     """Run every stage; returns the report path."""
     from dspark.api import encode_prompts, load_host, resolve_device
-    from dspark.data import load_conversations, prompts
-    from dspark.decode import generate
+    from dspark.training.data import load_conversations, prompts
+    from dspark.engine.decode import generate
     from dspark.metrics import summarize
-    from dspark.sampling import SamplingConfig
-    from dspark.train import train
+    from dspark.engine.sampling import SamplingConfig
+    from dspark.training.train import train
     from drafters import NgramDrafter, load_drafter
     from verifiers import build_verifier
     from verifiers.cost_model import profile

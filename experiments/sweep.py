@@ -34,9 +34,9 @@ def run_sweep(host_opts, decode_opts, eval_opts, sweep_opts, *, argv=None) -> Pa
 
     from dspark.api import load_host, resolve_drafter, resolve_verifier
     from dspark.cli import _drafter_label, eval_prompts
-    from dspark.decode import generate
+    from dspark.engine.decode import generate
     from dspark.quickstart import environment
-    from dspark.sampling import SamplingConfig
+    from dspark.engine.sampling import SamplingConfig
 
     host = load_host(host_opts.host, dtype=host_opts.dtype, device=host_opts.device)
     drafter = resolve_drafter(host, None if decode_opts.drafter == "none" and decode_opts.drafter_path

@@ -1,6 +1,6 @@
 import torch
 
-from dspark.acceptance import greedy_accept, rejection_sample
+from dspark.engine.acceptance import greedy_accept, rejection_sample
 
 
 def test_greedy_accept_respects_lengths():

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from drafters.base import Proposal
+from dspark.engine.protocol import Proposal
 from verifiers.calibration import (STSCalibrator, auroc, brier, calibrated_confidence, calibration_report, ece,
                                    labels, outcomes_from_counts, reliability_diagram)
 

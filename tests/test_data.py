@@ -1,4 +1,4 @@
-"""Tests for dspark.data: sources, cleaning, splits, error reporting, loss masks, packing, batching."""
+"""Tests for dspark.training.data: sources, cleaning, splits, error reporting, loss masks, packing, batching."""
 from __future__ import annotations
 
 import gzip
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.data import (
+from dspark.engine.models import load_model_and_tokenizer
+from dspark.training.data import (
     HUMANEVAL_TEMPLATE,
     ChatDataset,
     Conversation,
@@ -24,7 +25,6 @@ from dspark.data import (
     prompts,
     tokenize_chat,
 )
-from dspark.models import load_model_and_tokenizer
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -138,7 +138,7 @@ def test_cleaning_drops_empty_turns_leading_assistant_turns_and_userless_chats(t
 def test_malformed_line_reported_with_file_and_line(tmp_path, caplog, bad_line, reason):
     path = tmp_path / "bad.jsonl"
     source = _write_jsonl(path, [{"prompt": "fine"}, bad_line, {"prompt": "also fine"}])
-    with caplog.at_level(logging.WARNING, logger="dspark.data"):
+    with caplog.at_level(logging.WARNING, logger="dspark.training.data"):
         conversations = load_conversations(source, split="all", on_error="skip")
     assert [c.messages[0]["content"] for c in conversations] == ["fine", "also fine"]
     assert f"{path}:2" in caplog.text and reason in caplog.text
@@ -211,7 +211,7 @@ def test_humaneval_prompts_only():
 
 @pytest.mark.slow
 def test_sharegpt_recovers_the_truncated_file(caplog):
-    with caplog.at_level(logging.WARNING, logger="dspark.data"):
+    with caplog.at_level(logging.WARNING, logger="dspark.training.data"):
         everything = load_conversations("sharegpt", split="all")
     assert "truncated" in caplog.text and "recovered 17671" in caplog.text
     # 17,671 records; 126 are empty and ~150 chunks hold no user turn

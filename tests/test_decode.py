@@ -1,4 +1,4 @@
-"""The decode loop (dspark.decode.generate), end to end on tiny seeded hosts, fp32 on the CPU.
+"""The decode loop (dspark.engine.decode.generate), end to end on tiny seeded hosts, fp32 on the CPU.
 
 Greedy speculative output equals plain greedy output token for token (every batch size, every registered drafter);
 at T = 1 and under top-p the speculative sampler reproduces the host's distributions for full and partial
@@ -17,16 +17,15 @@ import torch
 from scipy.stats import chisquare
 
 from drafters import DRAFTERS, build_drafter
-from drafters.base import Drafter, Proposal, TrainBatch
+from drafters.base import TrainBatch
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.ngram import NgramDrafter
-from dspark import reference
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.sampling import SamplingConfig, process
+from dspark.engine import reference
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.protocol import Drafter, Proposal, Verifier, VerifyAll
+from dspark.engine.sampling import SamplingConfig, process
 from tests.conftest import random_prompts, tiny_model
-from verifiers.base import Verifier
-from verifiers.full import VerifyAll
 
 K = 4  # draft length of the tiny-host tests
 NEW = 24  # new tokens per request
@@ -238,7 +237,7 @@ def micro_dspark(host: Host) -> DSparkDrafter:
 @functools.cache
 def exact_tables(host: Host, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The host's exact distributions after MICRO_PROMPT: p1 (V,), p2 (V, V) = p(b | a), p3 (V, V, V) = p(c | a, b),
-    from plain transformers forwards (dspark.reference), processed like the sampler does (temperature, top-p)."""
+    from plain transformers forwards (dspark.engine.reference), processed like the sampler does (temperature, top-p)."""
     V = host.vocab_size
 
     def p(prefix):

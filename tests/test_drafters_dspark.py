@@ -14,14 +14,15 @@ from scipy.stats import chisquare
 import drafters.checkpoint as checkpoint
 from conftest import random_prompts, tiny_model
 from drafters import DRAFTER_KINDS, build_drafter, load_drafter
-from drafters.base import DraftState, TrainBatch
+from drafters.base import TrainBatch
 from drafters.checkpoint import CheckpointError
 from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config, spread_layers
 from drafters.mtp import MTPDrafter
-from dspark import reference
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.sampling import SamplingConfig, process
+from dspark.engine import reference
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.protocol import DraftState
+from dspark.engine.sampling import SamplingConfig, process
 
 SMALL = dict(num_layers=2, rank=16, gamma=4, feature_layers=(0, 1, 2))
 VARIANTS = {

@@ -10,13 +10,14 @@ from safetensors.torch import load_file
 from scipy.stats import chisquare
 
 from drafters import build_drafter, load_drafter
-from drafters.base import DraftState, Drafter, Proposal, TrainBatch
+from drafters.base import TrainBatch
 from drafters.checkpoint import CheckpointError
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, eagle3_feature_layers
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.reference import greedy, next_token_logits
-from dspark.sampling import SamplingConfig, process
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.reference import greedy, next_token_logits
+from dspark.engine.sampling import SamplingConfig, process
 from tests.conftest import random_prompts, tiny_model
 
 K = 3

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from drafters import build_drafter
-from drafters.base import DraftState
 from drafters.small_lm import SmallLMDrafter
-from dspark.decode import generate
-from dspark.reference import greedy
-from dspark.sampling import SamplingConfig
+from dspark.engine.decode import generate
+from dspark.engine.protocol import DraftState
+from dspark.engine.reference import greedy
+from dspark.engine.sampling import SamplingConfig
 from tests.conftest import random_prompts, tiny_model
 from tests.test_drafters_eagle3 import (K, check_cache_consistency, chi_square_first_tokens, fresh_proposal,
                                         peaked_micro_host)

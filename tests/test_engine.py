@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from drafters import DRAFTERS
-from dspark.decode import generate
-from dspark.sampling import SamplingConfig
+from dspark.engine.decode import generate
+from dspark.engine.sampling import SamplingConfig
 from tests.conftest import random_prompts
 from tests.test_decode import K, build_any, trained_dspark
 from verifiers import build_verifier
@@ -143,7 +143,7 @@ def test_bad_concurrency_is_refused(tiny_host):
 
 
 def test_device_ngram_lookup_equals_the_python_rule():
-    from drafters.base import DraftState
+    from dspark.engine.protocol import DraftState
     from drafters.ngram import NgramDrafter
 
     g = torch.Generator().manual_seed(3)

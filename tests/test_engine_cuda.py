@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from drafters import DRAFTERS
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.sampling import SamplingConfig
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.sampling import SamplingConfig
 from tests.conftest import random_prompts, tiny_model
 from tests.test_decode import K, build_any
 

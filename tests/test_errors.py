@@ -17,13 +17,13 @@ import pytest
 import torch
 from conftest import random_prompts, tiny_model
 
+from drafters import CheckpointError, build_drafter, load_drafter
 import dspark
 from dspark.cli import main
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.sampling import SamplingConfig
-from drafters import CheckpointError, build_drafter, load_drafter
-from drafters.base import Drafter, Proposal
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.protocol import Drafter, Proposal
+from dspark.engine.sampling import SamplingConfig
 from verifiers.calibration import STSCalibrator
 from verifiers.cost_model import CostModel
 
@@ -302,7 +302,7 @@ def test_missing_or_corrupt_verifier_file_names_the_file(load, what, tmp_path):
 
 
 def test_verifier_files_are_replaced_atomically(tmp_path, monkeypatch):
-    import verifiers.base
+    import dspark.engine.jsonio
 
     path = tmp_path / "sts.json"
     STSCalibrator(temperatures=[1.0, 2.0]).save(path)
@@ -310,7 +310,7 @@ def test_verifier_files_are_replaced_atomically(tmp_path, monkeypatch):
     def killed(fd):
         raise OSError("killed mid-write")
 
-    monkeypatch.setattr(verifiers.base.os, "fsync", killed)
+    monkeypatch.setattr(dspark.engine.jsonio.os, "fsync", killed)
     with pytest.raises(OSError, match="killed mid-write"):
         STSCalibrator(temperatures=[3.0, 4.0, 5.0]).save(path)
     with pytest.raises(OSError, match="killed mid-write"):
@@ -333,7 +333,7 @@ def test_malformed_dataset_line_is_skipped_or_fatal_by_flag(tmp_path, caplog):
     """(load_conversations itself: tests/test_data.py::test_malformed_line_reported_with_file_and_line.)"""
     from test_regenerate import chat_host
 
-    from dspark.regenerate import RegenerateConfig, regenerate
+    from dspark.training.regenerate import RegenerateConfig, regenerate
 
     source = _chats_with_a_bad_line(tmp_path)
     host = chat_host()
@@ -349,7 +349,7 @@ def test_malformed_dataset_line_is_skipped_or_fatal_by_flag(tmp_path, caplog):
 
 def test_on_error_flag_reaches_eval_and_train(tmp_path, capsys):
     from dspark.config import ConfigError, parse
-    from dspark.train import TrainConfig
+    from dspark.training.train import TrainConfig
 
     source = _chats_with_a_bad_line(tmp_path)
     (cfg,) = parse([TrainConfig], ["--output", str(tmp_path / "t"), "--on-error", "raise"])

@@ -6,10 +6,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria, TextIteratorStreamer
 
-import dspark.decode
+import dspark.engine.decode
 import dspark.hf
 from conftest import random_prompts, tiny_model
-from dspark.sampling import SamplingConfig
+from dspark.engine.sampling import SamplingConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:drafter '.*' has no checkpoint")
 
@@ -194,13 +194,13 @@ def test_streamer_stops_at_eos(model):
 
 def test_sampling_settings_reach_the_sampler(model, monkeypatch):
     seen: list[SamplingConfig] = []
-    real = dspark.decode.generate
+    real = dspark.engine.decode.generate
 
     def spy(*args, **kwargs):
         seen.append(kwargs["sampling"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dspark.decode, "generate", spy)
+    monkeypatch.setattr(dspark.engine.decode, "generate", spy)
     inputs = left_padded([9])
     fn = dspark.hf.speculative("ngram")
     model.generate(**inputs, max_new_tokens=4, do_sample=True, temperature=0.7, top_p=0.9, top_k=20,

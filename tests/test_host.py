@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dspark.host import Host
+from dspark.engine.host import Host
 from tests.conftest import tiny_model
 
 

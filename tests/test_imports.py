@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
     "from drafters.dspark import DSparkConfig",
     "import verifiers",
     "from dspark import generate, load_host",
-    "import dspark.cli, dspark.train",
+    "import dspark.cli, dspark.training.train",
     "import dspark; dspark.api.checkpoint_dir, dspark.metrics.summarize",
 ])
 def test_fresh_import(statement):

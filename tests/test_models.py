@@ -1,4 +1,4 @@
-"""Tests for dspark.models: random hosts, local checkpoints, the SmolLM2 GGUF -> safetensors cache."""
+"""Tests for dspark.engine.models: random hosts, local checkpoints, the SmolLM2 GGUF -> safetensors cache."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from dspark import models
-from dspark.models import (
+from dspark.engine import models
+from dspark.engine.models import (
     SUPPORTED_MODEL_TYPES,
     check_supported,
     load_model_and_tokenizer,

@@ -1,4 +1,4 @@
-"""dspark.regenerate: host responses to dataset prompts as JSONL, resumable without loss or duplicates.
+"""dspark.training.regenerate: host responses to dataset prompts as JSONL, resumable without loss or duplicates.
 
 The host is a tiny random Llama with a character-level ChatML tokenizer built here (`chat_tokenizer`), so the
 real chat-template path runs in a second on the CPU; tests/test_train.py reuses it.
@@ -13,8 +13,8 @@ from conftest import tiny_model
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dspark.host import Host
-from dspark.regenerate import RegenerateConfig, completed_ids, main_regenerate, regenerate
+from dspark.engine.host import Host
+from dspark.training.regenerate import RegenerateConfig, completed_ids, main_regenerate, regenerate
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -79,7 +79,7 @@ def test_writes_one_record_per_prompt(tmp_path, host):
         assert roles == (["system"] if i % 3 == 0 else []) + ["user", "assistant"]  # prompt = system + first user
         assert set(record) == {"id", "conversations"} and "<|im_end|>" not in turns[-1]["content"]
     # what it wrote is a training source again
-    from dspark.data import load_conversations
+    from dspark.training.data import load_conversations
 
     assert len(load_conversations(str(path), split="all")) >= 1
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dspark.sampling import STREAM_SAMPLE, SamplingConfig, process, sample, uniform
+from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, process, sample, uniform
 
 
 @pytest.mark.parametrize("kwargs,match", [

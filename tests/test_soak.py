@@ -20,10 +20,10 @@ import pytest
 import torch
 from conftest import random_prompts
 
-import dspark
-from dspark.decode import generate
-from dspark.sampling import SamplingConfig
 from drafters import build_drafter
+import dspark
+from dspark.engine.decode import generate
+from dspark.engine.sampling import SamplingConfig
 from verifiers import build_verifier
 from verifiers.cost_model import CostModel
 
@@ -245,10 +245,10 @@ import json, sys, warnings
 sys.path.insert(0, "tests")
 warnings.simplefilter("ignore")
 from conftest import tiny_model, random_prompts
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.sampling import SamplingConfig
 from drafters import build_drafter
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.sampling import SamplingConfig
 host = Host(tiny_model("llama"), name="tiny")
 out = generate(host, random_prompts([3, 8, 13], 128, seed=9), drafter=build_drafter("mtp", host), draft_length=3,
                max_new_tokens=10, sampling=SamplingConfig(temperature=1.0), seed=7)

@@ -1,4 +1,4 @@
-"""dspark.train: the loop lowers the loss, trains only the drafter, checkpoints atomically and resumes exactly.
+"""dspark.training.train: the loop lowers the loss, trains only the drafter, checkpoints atomically and resumes exactly.
 
 Tiny hosts on the CPU, fp32: a random Llama with a character-level chat tokenizer (real chat-template data
 path, tests/test_regenerate.py) and `random:tiny-llama` by name with `--data synthetic` (the no-tokenizer path).
@@ -18,10 +18,10 @@ import pytest
 import torch
 from test_regenerate import chat_host, write_conversations
 
-import dspark.train as train_module
-from dspark.cli import DecodeOptions, _drafter_label
 from drafters import DRAFTERS, build_drafter, load_drafter
-from dspark.train import TrainConfig, checkpoints, main_train, read_metrics, train
+from dspark.cli import DecodeOptions, _drafter_label
+import dspark.training.train as train_module
+from dspark.training.train import TrainConfig, checkpoints, main_train, read_metrics, train
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_HOST = "random:tiny-llama?initializer_range=0.2"  # why 0.2: peaked host distributions, something to learn
@@ -160,7 +160,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
              *(f"{k}={v}" for k, v in SMALL["dflash"].items()), "--data", "synthetic:64", "--seq-len", "128",
              "--batch-size", "2", "--max-steps", "24", "--save-every", "2", "--eval-every", "0", "--lr", "2e-3"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    process = subprocess.Popen([sys.executable, "-m", "dspark.train", *flags], env=env, cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "dspark.training.train", *flags], env=env, cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     mid_write = False
     deadline = time.monotonic() + 300
@@ -181,7 +181,7 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     survivors = checkpoints(output)
     assert survivors
-    from dspark.train import load_host
+    from dspark.training.train import load_host
 
     host = load_host(RANDOM_HOST, device=torch.device("cpu"), dtype=torch.float32)
     for checkpoint in survivors:  # every complete checkpoint is loadable, whatever the kill interrupted
@@ -215,7 +215,7 @@ def test_two_process_ddp_on_cpu_then_resume(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "ACCELERATE_USE_CPU": "true"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-              "-m", "dspark.train", *flags]
+              "-m", "dspark.training.train", *flags]
     for steps in ("4", "6"):  # the second launch resumes the first one's step-4 checkpoint
         # why a session of its own: on a hang, the launcher's worker processes are killed with it
         process = subprocess.Popen([*launch, "--max-steps", steps], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,

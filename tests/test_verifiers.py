@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import Proposal
+from dspark.engine.protocol import Proposal
 from verifiers import VERIFIERS, build_verifier
 from verifiers.calibration import STSCalibrator
 from verifiers.cost_model import CostModel

@@ -17,17 +17,15 @@ from collections import Counter
 import pytest
 import torch
 
-from drafters.base import DraftState, Drafter, Proposal
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.sampling import STREAM_DRAFT, SamplingConfig, process, sample
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.protocol import DraftState, Drafter, Proposal, Verifier, VerifyAll
+from dspark.engine.sampling import STREAM_DRAFT, SamplingConfig, process, sample
 from tests.conftest import tiny_model
 from tests.test_decode import (ALPHA, K, NEW, accepted, batch8, chi2_pvalue, greedy_reference, micro_dspark,
                                trained_dspark)
 from verifiers import VERIFIERS, build_verifier
-from verifiers.base import Verifier
 from verifiers.cost_model import CostModel
-from verifiers.full import VerifyAll
 from verifiers.prefix_scheduler import GlobalSearchScheduler, LaggedCapacityScheduler, PrefixScheduler
 from verifiers.threshold import ThresholdVerifier
 

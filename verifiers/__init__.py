@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from verifiers.base import Verifier
+from dspark.engine.protocol import Verifier, VerifyAll
 from verifiers.calibration import STSCalibrator
 from verifiers.cost_model import CostModel
-from verifiers.full import VerifyAll
 from verifiers.prefix_scheduler import GlobalSearchScheduler, LaggedCapacityScheduler, PrefixScheduler
 from verifiers.threshold import ThresholdVerifier
 

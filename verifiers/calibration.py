@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from drafters.base import Proposal
-from verifiers.base import read_versioned_json, write_json_atomic
+from dspark.engine.jsonio import read_versioned_json, write_json_atomic
+from dspark.engine.protocol import Proposal
 
 FORMAT = "dspark.sts"
 VERSION = 1

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from verifiers.base import read_versioned_json, write_json_atomic
+from dspark.engine.jsonio import read_versioned_json, write_json_atomic
 
 FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"

@@ -24,8 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from drafters.base import Proposal
-from verifiers.base import Verifier
+from dspark.engine.protocol import Proposal, Verifier
 from verifiers.calibration import STSCalibrator, calibrated_confidence
 from verifiers.cost_model import CostModel
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import Proposal
-from verifiers.base import Verifier
+from dspark.engine.protocol import Proposal, Verifier
 from verifiers.calibration import STSCalibrator, calibrated_confidence
 
 MODES = ("cumulative", "position")

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.acceptance import greedy_accept, rejection_sample
-from dspark.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
-from drafters.base import Proposal
+from dspark.engine.acceptance import greedy_accept, rejection_sample
+from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
+from dspark.engine.protocol import Proposal
 
 # columns of the packed round output after the K + 1 new tokens
 N_ACCEPTED, VERIFIED, PROPOSED, FINITE = range(4)

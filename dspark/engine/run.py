@@ -10,7 +10,7 @@ from dspark.engine.slots import Request
 def run_slots(host, prompts, *, drafter, verifier, K, limits, sampling, seeds, stops, batch_size, concurrency, bar,
               on_tokens, graphs, timing):
     """Static batches of `batch_size` (each admitted at once) or, with `concurrency`, one continuous run."""
-    from dspark.decode import GenerationResult, RoundLog
+    from dspark.engine.decode import GenerationResult, RoundLog
 
     n = len(prompts)
     requests = [Request(index=i, prompt=list(prompts[i]), limit=limits[i], seed=seeds[i]) for i in range(n)]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.kv_cache import KVCache
-from dspark.sampling import STREAM_SAMPLE, SamplingConfig, check_finite, process, sample
-from drafters.base import DraftState, Drafter
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, check_finite, process, sample
+from dspark.engine.protocol import DraftState, Drafter
 
 
 @dataclass

@@ -6,7 +6,7 @@ Shapes: n requests, C concurrency.
 """
 from __future__ import annotations
 
-from dspark.sampling import SamplingConfig
+from dspark.engine.sampling import SamplingConfig
 
 PROMPTS = [  # first turns of six MT-Bench questions (writing, roleplay, reasoning, math, coding, extraction)
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
@@ -28,7 +28,7 @@ def run_workload(host, prompts: list[list[int]], *, concurrency: int, drafter=No
                  draft_length: int = 7, max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),
                  seed: int = 0, graphs: bool | None = None, timing: bool = False) -> dict:
     """Decode `prompts` keeping `concurrency` in flight; a JSON-ready summary with per-request rows."""
-    from dspark.decode import generate
+    from dspark.engine.decode import generate
 
     out = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency,

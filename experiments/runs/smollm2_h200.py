@@ -173,8 +173,8 @@ def train() -> None:
             if _finished(name) or (name in pids and _alive(pids[name])) or restarts[name] >= 2:
                 continue
             log = open(RUN / f"train_{name}.log", "a")
-            cmd = [sys.executable, "-m", "dspark.train", "--config", str(RUN / "common.yaml"), "--drafter", name,
-                   "--output", str(RUN / name), "--drafter-args", *args]
+            cmd = [sys.executable, "-m", "dspark.training.train", "--config", str(RUN / "common.yaml"),
+                   "--drafter", name, "--output", str(RUN / name), "--drafter-args", *args]
             say(("restarting (it stopped): " if name in pids else "") + " ".join(cmd))
             restarts[name] += name in pids
             pids[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True).pid

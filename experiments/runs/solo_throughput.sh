@@ -27,9 +27,9 @@ specs+=("eagle3 eagle3 ttt_length=7")
 for spec in "${specs[@]}"; do
   set -- $spec; name=$1; drafter=$2; shift 2
   [[ " $DRAFTERS " == *" $drafter "* ]] || continue
-  python3 -m dspark.train --host random:smollm2 --data synthetic:512 --drafter "$drafter" --output "$WORK/$name" \
-    --max-length "$SEQ" --seq-len "$SEQ" --batch-size "$BS" --max-steps "$STEPS_SOLO" --save-every 100000 \
-    --eval-every 0 --bf16 true --report-to none --seed 0 --drafter-args "$@" > "$WORK/$name.log" 2>&1 \
+  python3 -m dspark.training.train --host random:smollm2 --data synthetic:512 --drafter "$drafter" \
+    --output "$WORK/$name" --max-length "$SEQ" --seq-len "$SEQ" --batch-size "$BS" --max-steps "$STEPS_SOLO" \
+    --save-every 100000 --eval-every 0 --bf16 true --report-to none --seed 0 --drafter-args "$@" > "$WORK/$name.log" 2>&1 \
     || { tail -20 "$WORK/$name.log"; exit 1; }
   cp "$WORK/$name/metrics.jsonl" "$OUT/solo_$name.jsonl"
   python3 - "$OUT/solo_$name.jsonl" "$name" <<'PY'

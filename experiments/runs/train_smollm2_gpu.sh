@@ -8,7 +8,7 @@
 # On a machine without network (the H200): stage the GGUF and ShareGPT with shared/stage_offline.py first and
 # export PYTHONPATH / HF_HUB_OFFLINE as it says; the first load converts the GGUF to fp32 safetensors (~25 s).
 # Every run resumes by itself (resume=auto) when restarted with the same OUT, regeneration included.
-# Multi-GPU: replace `python -m dspark.train` by `accelerate launch -m dspark.cli train` (or set TRAIN) — the
+# Multi-GPU: replace `python -m dspark.training.train` by `accelerate launch -m dspark.cli train` (or set TRAIN) — the
 # batch below is per GPU, so scale STEPS down by the GPU count for the same budget.
 #
 # Cost, measured on one H200 with a SmolLM2-shaped random host (torch 2.11, transformers 5.17), batch 8 x 2048:
@@ -27,8 +27,8 @@ STAGES=${STAGES:-"regenerate train"}
 LAYERS=${LAYERS:-5}            # DSpark / DFlash backbone depth (benchmarks/RESULTS.md: 5 vs 3)
 ANCHORS=${ANCHORS:-1024}       # DSpark / DFlash blocks per 2048-token row (RESULTS.md: 1024 vs DeepSpec's 512)
 REPORT_TO=${REPORT_TO:-none}  # wandb (offline unless WANDB_MODE is set) or tensorboard where installed
-TRAIN=${TRAIN:-python -m dspark.train}         # = `dspark train`
-REGENERATE=${REGENERATE:-python -m dspark.regenerate}  # = `dspark regenerate`
+TRAIN=${TRAIN:-python -m dspark.training.train}         # = `dspark train`
+REGENERATE=${REGENERATE:-python -m dspark.training.regenerate}  # = `dspark regenerate`
 mkdir -p "$OUT"
 
 # 1. Self-distillation (DSPARK.md §3): SmolLM2 answers the first user turn (+ system) of every ShareGPT training

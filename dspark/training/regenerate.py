@@ -1,12 +1,12 @@
 """Self-distillation data (DSPARK.md §3): the host answers the prompts of a chat dataset itself.
 
-Each conversation's prompt (its system turns and first user turn, `dspark.data.prompts`) is rendered with the
-host's chat template and decoded by `dspark.decode.generate` in batches. Every batch is appended to the output
+Each conversation's prompt (its system turns and first user turn, `dspark.training.data.prompts`) is rendered with the
+host's chat template and decoded by `dspark.engine.decode.generate` in batches. Every batch is appended to the output
 JSONL, one line per prompt, flushed and fsynced:
 
     {"id": "<conversation id>", "conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 
-which `dspark.data.load_conversations("out.jsonl")` (and so `dspark train --data out.jsonl`) reads back.
+which `dspark.training.data.load_conversations("out.jsonl")` (and so `dspark train --data out.jsonl`) reads back.
 
 Resumable: a restart skips the ids already in the output file and drops a last line cut by a kill, so no work is
 lost or duplicated. Request i's sampling noise is keyed by a hash of (seed, id) and the decode loop's draws do not
@@ -30,11 +30,11 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.config import parse
-from dspark.data import load_conversations, prompts
-from dspark.decode import generate
-from dspark.host import Host
-from dspark.models import load_model_and_tokenizer, render_chat
-from dspark.sampling import SamplingConfig
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.models import load_model_and_tokenizer, render_chat
+from dspark.engine.sampling import SamplingConfig
+from dspark.training.data import load_conversations, prompts
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class RegenerateConfig:
 
     output: str = field(metadata={"help": "output JSONL file (appended to; existing ids are skipped)"})
     host: str = field(default="smollm2", metadata={"help": "host model: smollm2, a path or hub id"})
-    data: str = field(default="sharegpt", metadata={"help": "conversations to take prompts from (see dspark.data)"})
+    data: str = field(default="sharegpt", metadata={
+        "help": "conversations to take prompts from (see dspark.training.data)"})
     split: Literal["train", "heldout", "all"] = field(default="train", metadata={"help": "which split's prompts"})
     limit: Optional[int] = field(default=None, metadata={"help": "use at most this many conversations"})
     on_error: Literal["skip", "raise"] = field(default="skip", metadata={
@@ -124,7 +125,7 @@ def regenerate(cfg: RegenerateConfig, host: Host | None = None) -> Path:
             continue
         seen.add(conversation.id)
         ids = tokenizer(render_chat(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)
-        ids = ids["input_ids"]  # the template writes bos itself, exactly as dspark.data.tokenize_chat renders
+        ids = ids["input_ids"]  # the template writes bos itself, exactly as dspark.training.data.tokenize_chat renders
         if len(ids) > cfg.max_prompt_length or len(ids) + cfg.max_new_tokens > host.max_context:
             too_long += 1
             continue

@@ -1,18 +1,9 @@
-"""The verifier contract: map a round's proposal (and the load) to per-request verification lengths.
-
-A verifier may only look at what is known before the host verifies (confidences, the number of requests, its own
-history). Lengths must not depend on tokens they are deciding about beyond what a non-anticipating rule allows
-(DSPARK.md §4.3); `tests/test_verifiers_lossless.py` checks every registered policy at T = 1.
-"""
+"""Versioned JSON files: written atomically, read back with their format and version checked."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-
-import torch
-
-from drafters.base import Proposal
 
 
 def write_json_atomic(path: str | Path, doc: dict) -> None:
@@ -44,25 +35,3 @@ def read_versioned_json(path: str | Path, fmt: str, version: int, *, what: str) 
         got = (d.get("format"), d.get("version")) if isinstance(d, dict) else (type(d).__name__, None)
         raise ValueError(f"{path} is not a {fmt} version {version} file (format={got[0]!r}, version={got[1]!r})")
     return d
-
-
-class Verifier:
-    """Base class: `lengths` returns (B,) long in 0..K, clipped to `proposal.lengths` by the caller."""
-
-    name: str = "verifier"
-    #: False only for the deliberately biased global search kept for the losslessness demonstration
-    lossless: bool = True
-    #: True when every length is K (or the drafter's own lengths): the decode loop then sizes the verify
-    #: forward as K + 1 without reading the lengths back from the device
-    static_length: bool = False
-    #: True when lengths() is tensor-only and keeps no Python state: the slot engine may capture it in a CUDA graph
-    capturable: bool = False
-
-    def begin(self, *, batch_size: int) -> None:
-        """Reset per-batch state."""
-
-    def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows of any per-request state."""

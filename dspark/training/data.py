@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from dspark.models import render_chat
+from dspark.engine.models import render_chat
 
 logger = logging.getLogger(__name__)
 

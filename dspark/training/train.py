@@ -52,10 +52,10 @@ from accelerate.utils import is_tensorboard_available, is_wandb_available
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from dspark.config import from_dict, parse, to_dict
-from dspark.data import TokenizedChat, collate, load_conversations, pack, tokenize_conversations
-from dspark.host import Host
 from drafters.base import TrainBatch, TrainOutput
+from dspark.config import from_dict, parse, to_dict
+from dspark.engine.host import Host
+from dspark.training.data import TokenizedChat, collate, load_conversations, pack, tokenize_conversations
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ def _peak_memory_gb(device: torch.device) -> float:
 
 
 def load_host(name: str, *, device: torch.device, dtype: torch.dtype) -> Host:
-    from dspark.models import load_model_and_tokenizer
+    from dspark.engine.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=device)
     return Host(model, tokenizer, name=name)

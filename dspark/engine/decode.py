@@ -6,7 +6,7 @@ One round (DSPARK.md §1): 1 draft, 2 schedule, 3 verify, 4 accept, 5 commit. Di
 drafters and verifiers, never here. Plain decoding is the same loop with a drafter that proposes nothing (K = 0):
 each round verifies only the anchor and draws the next token from p.
 
-Noise keys (see dspark.sampling): the acceptance test of a draft and the draw of the token after the accepted
+Noise keys (see dspark.engine.sampling): the acceptance test of a draft and the draw of the token after the accepted
 ones are keyed by the absolute position of the token decided, which each position gets exactly once; drafters key
 theirs by (round, k). A request's output therefore depends only on its prompt, seed and the policies, never on its
 batch companions (up to float reassociation in batched kernels).
@@ -20,19 +20,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dspark.acceptance import greedy_accept, rejection_sample
-from dspark.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, check_finite, process, sample, uniform
-from drafters.base import DraftState, Drafter, Proposal
-
-
-class NoDrafter(Drafter):
-    """Proposes nothing: the loop degenerates to plain autoregressive decoding."""
-
-    name = "none"
-    capturable = True
-
-    def propose(self, state: DraftState, K: int) -> Proposal:
-        return Proposal(tokens=state.seq.new_zeros(state.seq.shape[0], 0))
+from dspark.engine.acceptance import greedy_accept, rejection_sample
+from dspark.engine.protocol import DraftState, Drafter, NoDrafter, Proposal, VerifyAll
+from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, check_finite, process, sample, uniform
 
 
 @dataclass
@@ -149,7 +139,6 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
         raise ValueError(f"draft_length (gamma) must be an integer >= 1, got {draft_length!r}")
     host.check_taps(drafter.feature_layers)
     if verifier is None:
-        from verifiers.full import VerifyAll
         verifier = VerifyAll()
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(n)]
     if len(seeds) != n:
