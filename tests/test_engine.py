@@ -132,7 +132,7 @@ def test_one_device_to_host_copy_per_round(tiny_host, monkeypatch):
     round_copies = [c for c in copies if c == (3, K + 1 + 4)]
     assert len(round_copies) == out.rounds
     # the rest: the admission's first tokens (one) and the confidences of the log, read once at the end
-    assert len(copies) - len(round_copies) - out.rounds <= 1 + 0 * len(copies)
+    assert len(copies) - len(round_copies) <= 2
 
 
 def test_bad_concurrency_is_refused(tiny_host):
@@ -160,3 +160,23 @@ def test_device_ngram_lookup_equals_the_python_rule():
                 n = int(got.lengths[b])
                 assert got.tokens[b, :n].tolist() == want and n == len(want)
                 assert got.tokens[b, n:].eq(0).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_host_layers_equal_the_module_path(kind):
+    """The CUDA step's fused layers (one q|k|v and one gate|up projection, rotary over q and k together) compute
+    what the host's own modules compute; run here on the CPU with fused=True."""
+    from dspark.engine.host import Host
+    from tests.conftest import tiny_model
+
+    tiny_host = Host(tiny_model(kind), name=kind)
+    tokens = torch.tensor(random_prompts([9, 9], tiny_host.vocab_size, seed=4))
+    outs = []
+    for fused in (False, True):
+        cache = tiny_host.new_cache(2, 32)
+        out = tiny_host.step(cache, tokens, torch.tensor([9, 6]), taps=(1, 2), fused=fused)
+        outs.append((out, cache.k.clone()))
+    (ref, ref_k), (got, got_k) = outs
+    torch.testing.assert_close(got.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.features, ref.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)

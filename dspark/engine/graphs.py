@@ -29,7 +29,7 @@ class EagerRound:
         self.timer.mark()
         draft = propose(self.slots, self.drafter, self.verifier, self.K)
         self.timer.mark()
-        attend = int(self.slots.cache_len.max()) + self.K + 1
+        attend = max(self.slots.cache_len) + self.K + 1
         verified = verify(self.slots, self.host, draft, self.drafter.feature_layers, attend)
         self.timer.mark()
         out = accept(self.slots, self.drafter, draft, verified)

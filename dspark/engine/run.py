@@ -22,7 +22,7 @@ def run_slots(host, prompts, *, drafter, verifier, K, limits, sampling, seeds, s
     # why without warm-up: graph capture is a one-time cost per engine (reported as engine["warmup_s"])
     seconds = time.perf_counter() - sink.t0 - sum(r.warmup_s for r in runs)
     bar.close()
-    sink.log.confidence = [None if c is None else c.cpu() for c in sink.log.confidence]
+    sink.close()
     stage_s: dict[str, float] = {}
     for r in runs:
         for k, v in r.stage_s.items():

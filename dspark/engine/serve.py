@@ -32,6 +32,24 @@ class Sink:
     on_tokens: object = None  # callable(index, ids) -> bool, or None
     bar: object = None  # tqdm or None
     t0: float = field(default_factory=time.perf_counter)
+    rows: list = field(default_factory=list)  # (request, round, proposed, verified, accepted, committed) per row
+    confidence: list = field(default_factory=list)  # (device (C, K) confidences, live slots) per round
+
+    def close(self) -> None:
+        """Write the collected rows into the RoundLog: one tensor per column, confidences read back once."""
+        names = ("request", "round", "proposed", "verified", "accepted", "committed")
+        columns = torch.tensor(self.rows, dtype=torch.long).reshape(-1, len(names)).T
+        for name, column in zip(names, columns):
+            getattr(self.log, name).append(column.clone())
+        if self.confidence:
+            flat = torch.cat([c for c, _ in self.confidence]).cpu()  # (sum of C over rounds, K)
+            offsets, index = 0, []
+            for c, live in self.confidence:
+                index.extend(offsets + s for s in live)
+                offsets += c.shape[0]
+            self.log.confidence.append(flat[torch.tensor(index, dtype=torch.long)])
+        else:
+            self.log.confidence.append(None)
 
     def take(self, request: Request, ids: list[int], remaining: int) -> tuple[list[int], bool, int]:
         """Cut ids at the budget and the first stop token; (taken, still live, tokens left). Calls on_tokens."""
@@ -102,7 +120,7 @@ def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> None:
         for s, r, token in zip(free, arrivals, first):
             sink.ttft[r.index] = now - start
             sink.latency[r.index] = start  # admission time until the request finishes (see _finish)
-            _, live, slots.remaining_cpu[s] = sink.take(r, [token], int(slots.remaining_cpu[s]))
+            _, live, slots.remaining_cpu[s] = sink.take(r, [token], slots.remaining_cpu[s])
             if not live:
                 done.append(s)
         _finish(slots, done, sink)
@@ -115,36 +133,30 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
 
 
 def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int) -> list[int]:
-    """Commit each live slot's tokens from the packed round output (C, K+1+4); returns the slots that stopped."""
+    """Commit each live slot's tokens from the packed round output (C, K+1+4); returns the slots that stopped.
+
+    why plain Python lists here: per-element tensor indexing costs microseconds each, C of them per round, which
+    on a GPU is the time of a whole captured round; the log's tensors are built once at the end (Sink.close)."""
     live_slots = [s for s, r in enumerate(slots.request) if r is not None]
-    table = packed.tolist()  # why one conversion: per-element tensor indexing costs microseconds each, C per round
+    table = packed.tolist()
     bad = [slots.request[s].index for s in live_slots if not table[s][K + 1 + FINITE]]
     if bad:
         raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
                                  f"in round {round_index} for request(s) {bad}; no token of that round was accepted")
-    rows = torch.tensor(live_slots, dtype=torch.long)
-    before = slots.remaining_cpu[rows].clone()
-    remaining = slots.remaining_cpu.tolist()
-    done = []
+    rows, done = sink.rows, []
     for s in live_slots:
-        row = table[s]
-        _, live, remaining[s] = sink.take(slots.request[s], row[: row[K + 1 + N_ACCEPTED] + 1], remaining[s])
+        row, request = table[s], slots.request[s]
+        accepted = row[K + 1 + N_ACCEPTED]
+        before = slots.remaining_cpu[s]
+        _, live, slots.remaining_cpu[s] = sink.take(request, row[: accepted + 1], before)
+        slots.cache_len[s] += accepted + 1
+        rows.append((request.index, slots.rounds_cpu[s], row[K + 1 + PROPOSED], row[K + 1 + VERIFIED], accepted,
+                     before - slots.remaining_cpu[s]))
+        slots.rounds_cpu[s] += 1
         if not live:
             done.append(s)
-    slots.remaining_cpu[:] = torch.tensor(remaining)
-    info = packed[rows, K + 1:]  # (live, 4)
-    slots.cache_len[rows] += info[:, N_ACCEPTED] + 1
-    log = sink.log
-    log.request.append(torch.tensor([slots.request[s].index for s in live_slots], dtype=torch.long))
-    log.round.append(slots.rounds_cpu[rows].clone())
-    slots.rounds_cpu[rows] += 1
-    log.proposed.append(info[:, PROPOSED].clone())
-    log.verified.append(info[:, VERIFIED].clone())
-    log.accepted.append(info[:, N_ACCEPTED].clone())
-    log.committed.append(before - slots.remaining_cpu[rows])
-    # a device-side copy, read back with the rest of the log at the end (no second sync per round)
-    log.confidence.append(None if draft.confidence is None
-                          else draft.confidence[rows.to(draft.confidence.device)].float())
-    log.batch.append(len(live_slots))
-    log.time.append(time.perf_counter() - sink.t0)
+    if draft.confidence is not None:  # a device-side copy of the round's buffer, read back once at the end
+        sink.confidence.append((draft.confidence.float().clone(), live_slots))
+    sink.log.batch.append(len(live_slots))
+    sink.log.time.append(time.perf_counter() - sink.t0)
     return done

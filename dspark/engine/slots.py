@@ -70,15 +70,16 @@ class Slots:
         verifier.begin(batch_size=C)
         # the CPU side: which request each slot holds (None = free), and mirrors that need no device read
         self.request: list[Request | None] = [None] * C
-        self.remaining_cpu = torch.zeros(C, dtype=torch.long)
-        self.cache_len = torch.zeros(C, dtype=torch.long)  # host cache lengths, for the eager attention window
-        self.rounds_cpu = torch.zeros(C, dtype=torch.long)
+        self.remaining_cpu = [0] * C
+        self.cache_len = [0] * C  # host cache lengths, for the eager attention window
+        self.rounds_cpu = [0] * C
+        self.busy = 0  # requests in flight
 
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.request) if r is None]
 
     def in_flight(self) -> int:
-        return sum(r is not None for r in self.request)
+        return self.busy
 
     @torch.no_grad()
     def admit(self, slots: list[int], requests: list[Request]) -> torch.Tensor:
@@ -113,9 +114,8 @@ class Slots:
         self.active[rows] = True
         for s, r in zip(slots, requests):
             self.request[s] = r
-        self.remaining_cpu[slots] = torch.tensor([r.limit for r in requests])
-        self.cache_len[slots] = plen_cpu
-        self.rounds_cpu[slots] = 0
+            self.remaining_cpu[s], self.cache_len[s], self.rounds_cpu[s] = r.limit, len(r.prompt), 0
+        self.busy += len(slots)
         return first.cpu()
 
     def _admit_drafter(self, rows: torch.Tensor, features, plen: torch.Tensor, sub: DraftState) -> None:
@@ -136,6 +136,7 @@ class Slots:
         done = [self.request[s] for s in slots]
         for s in slots:
             self.request[s] = None
+        self.busy -= len(slots)
         if slots:
             self.active[torch.tensor(slots, device=self.active.device)] = False
         return done
