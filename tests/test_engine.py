@@ -180,3 +180,20 @@ def test_fused_host_layers_equal_the_module_path(kind):
     torch.testing.assert_close(got.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.features, ref.features, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):
+    import json
+
+    from dspark.cli import main
+
+    rc = main(["bench", "--host", "random:tiny-llama", "--drafter", "ngram", "--concurrency", "1", "4",
+               "--num-prompts", "8", "--max-new-tokens", "16", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("plain", 1), ("plain", 4), ("ngram", 1), ("ngram", 4)]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["tau"] >= 1 and r["requests"] == 8
+        assert 0 < r["mean_in_flight"] <= r["concurrency"] and len(r["per_request"]) == 8
+        assert all(q["ttft_s"] > 0 and q["latency_s"] >= q["ttft_s"] for q in r["per_request"])
+    assert rows[1]["mean_in_flight"] > 1  # four slots were kept busy
