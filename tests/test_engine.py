@@ -197,3 +197,12 @@ def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):
         assert 0 < r["mean_in_flight"] <= r["concurrency"] and len(r["per_request"]) == 8
         assert all(q["ttft_s"] > 0 and q["latency_s"] >= q["ttft_s"] for q in r["per_request"])
     assert rows[1]["mean_in_flight"] > 1  # four slots were kept busy
+
+
+def test_api_generate_takes_a_concurrency(tiny_host):
+    import dspark
+
+    prompts = prompts_of(tiny_host)
+    static = dspark.generate(tiny_host, "ngram", prompts, max_new_tokens=6)
+    continuous = dspark.generate(tiny_host, "ngram", prompts, max_new_tokens=6, concurrency=2)
+    assert continuous.texts == static.texts and continuous.result.batches > 1
