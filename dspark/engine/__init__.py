@@ -1,6 +1,9 @@
-"""The engine: continuous batching over a fixed pool of slots, rounds of fixed shapes, CUDA-graph replay.
+"""The engine core (imports nothing above it), one file per part.
 
-One file per part: `slots.py` (slots and admission), `round.py` (the round's propose / verify / accept stages),
-`graphs.py` (eager and captured round runners), `serve.py` (the driver loop), `run.py` (generate() on it),
-`workload.py` (the closed-loop workload runner and `dspark bench`).
+The eager reference: `host.py` (host step), `kv_cache.py`, `sampling.py`, `acceptance.py`, `protocol.py` (drafter /
+verifier contract), `decode.py` (the eager round loop: the oracle, and `generate`), `models.py`, `jsonio.py`.
+
+The slot engine that `generate` runs by default: `slots.py` (slots and admission), `round.py` (the round's propose /
+verify / accept stages), `graphs.py` (eager and CUDA-graph round runners), `serve.py` (the continuous-batching
+driver), `run.py` (generate() on it), `workload.py` (the closed-loop workload runner behind `dspark bench`).
 """
