@@ -118,6 +118,8 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     kind = "dspark"
     config_class = DSparkConfig
+    slot_state = ("cache",)
+    capturable = True
 
     def __init__(self, host, config: DSparkConfig | None = None) -> None:
         super().__init__()

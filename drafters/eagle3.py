@@ -125,6 +125,8 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
     name = "eagle3"
     kind = "eagle3"
     config_class = Eagle3Config
+    slot_state = ("cache", "last_hidden")
+    capturable = True
 
     def __init__(self, host, config: Eagle3Config | None = None) -> None:
         super().__init__()
@@ -182,7 +184,8 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         following = state.seq.gather(1, (positions + 1).clamp(max=state.seq.shape[1] - 1))  # (B, T)
         g = self._cached_step(self.fc(features.to(self.dtype)), following, positions)  # (B, T, H)
         last = g.gather(1, (n_valid - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, g.shape[-1])).squeeze(1)
-        self.last_hidden = torch.where((n_valid > 0).unsqueeze(1), last, self.last_hidden)  # (B, H)
+        # in place: the slot engine's captured graph keeps reading this tensor
+        self.last_hidden.copy_(torch.where((n_valid > 0).unsqueeze(1), last, self.last_hidden))  # (B, H)
 
     @torch.no_grad()
     def propose(self, state: DraftState, K: int) -> Proposal:

@@ -47,6 +47,8 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
     kind = "mtp"
     config_class = MTPConfig
     name = "mtp"
+    slot_state = ("cache", "last")
+    capturable = True
 
     def __init__(self, host, config: MTPConfig | None = None) -> None:
         super().__init__()
@@ -76,6 +78,7 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
         self.cache = KVCache(num_layers=1, batch_size=batch_size, num_kv_heads=host.num_kv_heads, max_len=max_len,
                              head_dim=host.head_dim, dtype=self.dtype, device=host.device)
+        self.last = torch.zeros(batch_size, host.hidden_size, dtype=self.dtype, device=host.device)
 
     @torch.no_grad()
     def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
@@ -87,7 +90,9 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         cos, sin = self.shared.rotary(u, positions)
         self.block.write_context(self.cache, u, cos, sin, positions)
         self.cache.rollback(start + n_valid)
-        self.last = u.gather(1, (n_valid - 1).view(B, 1, 1).expand(B, 1, u.shape[-1])).squeeze(1)  # (B, H)
+        last = u.gather(1, (n_valid - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, u.shape[-1])).squeeze(1)  # (B, H)
+        # rows that observed nothing (idle slots of the slot engine) keep theirs; in place for captured graphs
+        self.last.copy_(torch.where((n_valid > 0).unsqueeze(1), last, self.last))
 
     @torch.no_grad()
     def propose(self, state: DraftState, K: int) -> Proposal:

@@ -19,19 +19,30 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    capturable = True
+
     def propose(self, state: DraftState, K: int) -> Proposal:
-        # why a Python loop: matching is a search over each request's own history on the CPU, cheap next to a
-        # host forward, and has no fixed-shape tensor form worth capturing
-        seq, seq_len = state.seq.cpu(), state.seq_len.cpu()
-        B = seq.shape[0]
-        tokens = torch.zeros(B, K, dtype=torch.long)
-        lengths = torch.zeros(B, dtype=torch.long)
-        for b in range(B):
-            found = self._lookup(seq[b, : int(seq_len[b])].tolist(), K)
-            tokens[b, : len(found)] = torch.tensor(found, dtype=torch.long)
-            lengths[b] = len(found)
-        device = state.seq.device
-        return Proposal(tokens=tokens.to(device), lengths=lengths.to(device), width=int(lengths.max()) if B else 0)
+        """The latest earlier match of the trailing n-gram, longest n first, for every row at once on the device.
+
+        why tensors rather than a per-request search: no device-to-host copy per round and a fixed shape, so the
+        slot engine can capture it; `_lookup` is the plain-Python statement of the same rule (tests compare them).
+        """
+        seq, length = state.seq, state.seq_len  # (B, T), (B,)
+        B, T = seq.shape
+        cont = torch.full((B,), -1, dtype=torch.long, device=seq.device)  # (B,) where the continuation starts
+        for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
+            windows = seq.unfold(1, n, 1)  # (B, T-n+1, n): windows[b, s] = seq[b, s:s+n]
+            tail = seq.gather(1, (length - n).clamp(min=0).unsqueeze(1) + torch.arange(n, device=seq.device))
+            start = torch.arange(T - n + 1, device=seq.device)  # (T-n+1,)
+            ok = (windows == tail.unsqueeze(1)).all(-1) & (start <= (length - n - 1).unsqueeze(1))
+            ok &= (length - 1 >= n).unsqueeze(1)  # the tail must leave an earlier token to match against
+            latest = torch.where(ok, start, -1).max(1).values  # (B,) -1 = no match at this n
+            cont = torch.where((cont < 0) & (latest >= 0), latest + n, cont)
+        lengths = torch.where(cont >= 0, (length - cont).clamp(0, K), 0)  # (B,)
+        offsets = torch.arange(K, device=seq.device)
+        tokens = seq.gather(1, (cont.clamp(min=0).unsqueeze(1) + offsets).clamp(max=T - 1))  # (B, K)
+        tokens = torch.where(offsets < lengths.unsqueeze(1), tokens, 0)
+        return Proposal(tokens=tokens, lengths=lengths)
 
     def _lookup(self, ids: list[int], K: int) -> list[int]:
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):

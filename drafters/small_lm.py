@@ -36,7 +36,7 @@ class SmallLMDrafter(Drafter):
     """Drafts with a small causal LM of the host's vocabulary."""
 
     name = "small-lm"
-
+    slot_state = ("cache", "drafted_end")
     def __init__(self, model, host) -> None:
         if model.config.vocab_size != host.vocab_size:
             raise ValueError(f"small-LM drafter vocabulary ({model.config.vocab_size} tokens) differs from the "
@@ -96,7 +96,7 @@ class SmallLMDrafter(Drafter):
             if k < K - 1:  # x_K is never fed this round: the host decides it first
                 h = self.lm.step(cache, token.unsqueeze(1), ones, attend=end + k + 1).hidden[:, 0]  # (B, H)
                 cache.advance(ones)
-        self.drafted_end = cache.lengths.clone()  # committed + K-1 drafted positions
+        self.drafted_end.copy_(cache.lengths)  # committed + K-1 drafted positions (in place: see Drafter.capturable)
         cache.rollback(committed)
         return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1))  # (B, K), (B, K, V)
 

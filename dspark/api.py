@@ -141,8 +141,9 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
              max_new_tokens: int | Sequence[int] = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int = 0, batch_size: int | None = None, chat: bool = True, threshold: float | None = None,
              cost_table=None, calibration=None, drafter_path=None, stop_token_ids=None,
-             progress: bool = False) -> Generation:
-    """Decode `prompts` with `host`, speculatively when `drafter` is given (object, name or directory)."""
+             progress: bool = False, concurrency: int | None = None) -> Generation:
+    """Decode `prompts` with `host`, speculatively when `drafter` is given (object, name or directory); in static
+    batches of `batch_size`, or continuously with `concurrency` requests in flight (dspark.engine)."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     ids = encode_prompts(host, prompts, chat=chat)
     if drafter_path is None and drafter_directory(drafter) is not None:
@@ -152,6 +153,7 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
                                 threshold=threshold, cost_table=cost_table, calibration=calibration)
     result = decode_generate(host, ids, drafter=drafter, verifier=verifier, draft_length=draft_length,
                              max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=batch_size,
+                             concurrency=concurrency,
                              stop_token_ids=stop_token_ids, progress=progress)
     texts = ([host.tokenizer.decode(t, skip_special_tokens=True) for t in result.token_ids]
              if host.tokenizer is not None else [" ".join(map(str, t)) for t in result.token_ids])

@@ -11,6 +11,7 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
     dspark experiment NAME ...                     concurrency, savings, threshold, length, acceptance, simulate
     dspark report RESULTS_DIR [--report-to wandb]  one markdown page (tables + PNGs) from experiment results
+    dspark bench --host HOST --drafter NAME --concurrency 1 4 --num-prompts 8 --out-dir DIR   closed-loop serving
     dspark export --drafter-path DIR --format deepspec --output OUT   the reference's layout (docs/DEEPSPEC.md)
 
 eval, sweep and calibrate take the held-out split a `dspark train` drafter was trained with (docs/RELIABILITY.md §7).
@@ -139,6 +140,14 @@ class ExportOptions:
     mask_token_id: Optional[int] = field(default=None, metadata={
         "help": "DSpark/DFlash: the embedding row holding the mask embedding (default: the first row past the "
                 "tokenizer's vocabulary, 151669 on Qwen3)"})
+
+
+@dataclass
+class BenchOptions:
+    concurrency: list[int] = field(default_factory=lambda: [1, 8], metadata={
+        "help": "requests kept in flight (closed loop: a queued request enters as soon as one finishes)"})
+    num_prompts: int = field(default=16, metadata={"help": "requests per run (the prompt set, repeated to fill)"})
+    out_dir: str = field(default="bench", metadata={"help": "directory for bench.json"})
 
 
 @dataclass
@@ -500,6 +509,49 @@ def cmd_export(argv) -> int:
     return 0
 
 
+def bench_prompts(host, n: int) -> list[list[int]]:
+    """n prompts: the built-in six (chat-templated) for a host with a tokenizer, else seeded random token ids."""
+    import torch
+
+    from dspark.api import encode_prompts
+    from dspark.engine.workload import PROMPTS
+
+    if host.tokenizer is not None:
+        ids = encode_prompts(host, PROMPTS, chat=True)
+    else:
+        g = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, host.vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(6)]
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def cmd_bench(argv) -> int:
+    from dspark.api import resolve_drafter, resolve_verifier
+    from dspark.engine.workload import bench
+    from dspark.engine.sampling import SamplingConfig
+    from dspark.engine.jsonio import write_json_atomic
+
+    h, d, b = parse([HostOptions, DecodeOptions, BenchOptions], argv, prog="dspark bench")
+    if b.num_prompts < 1 or any(c < 1 for c in b.concurrency):
+        raise ConfigError("--num-prompts and every --concurrency must be >= 1")
+    host = _host(h)
+    methods = {"plain": None}
+    if d.drafter != "none" or d.drafter_path:
+        drafter = resolve_drafter(host, None if d.drafter == "none" else d.drafter, drafter_path=d.drafter_path)
+        methods[_drafter_label(d)] = drafter
+    verifier = resolve_verifier(host, d.verifier, draft_length=d.draft_length, drafter_path=d.drafter_path,
+                                threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration)
+    rows = bench(host, bench_prompts(host, b.num_prompts), methods, b.concurrency, verifier=verifier,
+                 draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, seed=d.seed,
+                 sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k))
+    out = Path(b.out_dir) / "bench.json"
+    write_json_atomic(out, {"host": h.host, "device": str(host.device), "dtype": str(host.dtype), "rows": rows})
+    for r in rows:
+        print(f"{r['method']:>10}  C={r['concurrency']:<4} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau'] or 0:.2f}  "
+              f"in flight {r['mean_in_flight']:.1f}")
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_train(argv) -> int:
     from dspark.training.train import main_train
 
@@ -523,7 +575,7 @@ def cmd_quickstart(argv) -> int:
 
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
             "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
-            "compare": cmd_compare, "export": cmd_export}
+            "bench": cmd_bench, "compare": cmd_compare, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

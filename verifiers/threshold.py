@@ -29,6 +29,7 @@ class ThresholdVerifier(Verifier):
         if mode not in MODES:
             raise ValueError(f"threshold mode must be one of {MODES}, got {mode!r}")
         self.tau, self.mode, self.calibrator = float(threshold), mode, calibrator
+        self.capturable = calibrator is None  # a calibrator's lookup is not vetted for capture
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         c = calibrated_confidence(proposal, K, self.calibrator)  # (B, K)

@@ -63,8 +63,10 @@ class GenerationResult:
     log: RoundLog
     seconds: float
     rounds: int  # loop iterations (batched rounds), prefill excluded
-    latency: list[float] = field(default_factory=list)  # per request: seconds from its batch's start to its end
-    batches: int = 1  # batches the prompts were decoded in (each starts with one prefill forward)
+    latency: list[float] = field(default_factory=list)  # per request: seconds from its admission to its end
+    batches: int = 1  # prefill forwards: static batches, or groups of arrivals admitted together
+    ttft: list[float] = field(default_factory=list)  # per request: seconds from its admission to its first token
+    engine: dict = field(default_factory=dict)  # slot engine: graphs, warmup_s, stage_s, in_flight, admissions
 
     @property
     def stats(self) -> dict:
@@ -108,13 +110,26 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
              draft_length: int = 7, max_new_tokens: int | Sequence[int] = 128,
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, seeds: Sequence[int] | None = None,
              stop_token_ids: Iterable[int] | None = None, batch_size: int | None = None, progress: bool = False,
-             on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[int, list[int]], None] | None = None, concurrency: int | None = None,
+             engine: str = "slots", graphs: bool | None = None, timing: bool = False) -> GenerationResult:
     """Decode every prompt (lists of token ids); speculative when `drafter` is given, plain otherwise.
 
-    Requests run in batches of `batch_size` (default: all at once). Request i is seeded with seeds[i] (default
-    seed + i). `on_tokens(i, new_ids)` is called as tokens of request i are committed (for streaming); when it
-    returns True, request i finishes there (reason "stop"), which is how external stopping rules plug in.
+    Requests run in static batches of `batch_size` (default: all at once), or, with `concurrency` C, continuously:
+    C slots, a queued request entering as soon as one frees. Request i is seeded with seeds[i] (default seed + i).
+    `on_tokens(i, new_ids)` is called as tokens of request i are committed (for streaming); when it returns True,
+    request i finishes there (reason "stop"), which is how external stopping rules plug in.
+
+    engine "slots" is the slot engine (dspark.engine: fixed shapes, one device-to-host copy per round, CUDA graphs
+    on CUDA unless graphs=False; timing splits its rounds' device time by stage); "eager" is the reference loop
+    below, the oracle the engine is tested against.
     """
+    if engine not in ("slots", "eager"):
+        raise ValueError(f"engine must be 'slots' or 'eager', got {engine!r}")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+    if concurrency is not None and engine == "eager":
+        raise ValueError("continuous batching (concurrency) needs engine='slots'")
     n = len(prompts)
     limits = _per_request(max_new_tokens, n, "max_new_tokens")
     validate_prompts(host, prompts, limits)
@@ -140,6 +155,12 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     rounds = 0
     bar = tqdm(total=sum(limits), desc="decode", unit="tok", disable=not progress)
     start_time = time.perf_counter()
+    if engine == "slots":
+        from dspark.engine.run import run_slots
+
+        return run_slots(host, prompts, drafter=drafter, verifier=verifier, K=K, limits=limits, sampling=sampling,
+                         seeds=seeds, stops=stops, batch_size=batch_size, concurrency=concurrency, bar=bar,
+                         on_tokens=on_tokens, graphs=graphs, timing=timing)
     for lo in range(0, n, batch_size):
         ids = list(range(lo, min(n, lo + batch_size)))
         rounds += _decode_batch(host, [list(prompts[i]) for i in ids], ids, drafter=drafter, verifier=verifier,

@@ -45,6 +45,14 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - first  # (B, T)
 
 
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Llama-family RMSNorm module applied to x: one fused kernel on CUDA, the module itself elsewhere."""
+    if x.device.type != "cuda" or not hasattr(norm, "variance_epsilon"):
+        return norm(x)
+    # as the module: normalise in float32, back to the input dtype, then scale by the weight
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+
+
 def _bucket(n: int, size: int = 64) -> int:
     """Round n up to a multiple of `size`. why: the eager path attends over a prefix of the cache; bucketing keeps
     the set of shapes small (for kernel caches and later graph capture)."""
@@ -124,12 +132,13 @@ class Host:
 
     @torch.no_grad()
     def step(self, cache: KVCache, tokens: torch.Tensor, n_valid: torch.Tensor, *, taps: tuple[int, ...] = (),
-             attend: int | None = None) -> StepOutput:
+             attend: int | None = None, fused: bool | None = None) -> StepOutput:
         """One forward of tokens (B, T) at positions cache.lengths + t; the first n_valid[b] of row b are real.
 
         Writes the KV of all T tokens (padding too, harmlessly, past the valid end) and does not advance the
         cache. `attend` (a Python int) limits attention to the first `attend` cache positions (eager speed on
-        long caches); None attends over the whole cache (fixed shape, for graph capture).
+        long caches); None attends over the whole cache (fixed shape, for graph capture). `fused` runs each layer
+        with fewer kernels (_fused_layer); None = on CUDA only.
         """
         B, T = tokens.shape
         positions = cache.positions(T)  # (B, T)
@@ -143,7 +152,8 @@ class Host:
             cache.write(i, k, v, positions)
             return cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
 
-        return self._run(tokens, positions, key_pos, None, kv, taps)
+        fused = tokens.device.type == "cuda" if fused is None else fused
+        return self._run(tokens, positions, key_pos, None, kv, taps, fused=fused)
 
     def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> StepOutput:
@@ -159,7 +169,8 @@ class Host:
         with torch.no_grad():
             return self._run(tokens, positions, index, same_doc, lambda i, k, v: (k, v), taps, key_is_query=True)
 
-    def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False) -> StepOutput:
+    def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False,
+             fused: bool = False) -> StepOutput:
         """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v)."""
         B, T = tokens.shape
         x = self.embed_tokens(tokens)  # (B, T, H)
@@ -178,20 +189,8 @@ class Host:
                 # every query attends at least to its own position
                 masks[window] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
                     ~allowed, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, T, W)
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, T, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if self.config.model_type == "qwen3":
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            keys, values = kv(i, k, v)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[window].to(q.dtype),
-                                               scale=attn.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            layer_step = self._fused_layer if fused else self._layer
+            x = layer_step(i, layer, x, cos, sin, masks[window], kv)
             if i in taps:
                 tapped.append(x)
         features = None
@@ -199,6 +198,73 @@ class Host:
             order = {layer_index: n for n, layer_index in enumerate(sorted(taps))}
             features = torch.cat([tapped[order[i]] for i in taps], dim=-1)  # (B, T, F)
         return StepOutput(hidden=self.final_norm(x), features=features)
+
+    def _layer(self, i: int, layer, x, cos, sin, mask, kv) -> torch.Tensor:
+        """Decoder layer i on x (B, T, H) through its own modules (the reference path; CPU)."""
+        B, T, _ = x.shape
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, T, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.config.model_type == "qwen3":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, T, D)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        return self._attend_and_mlp(i, layer, x, q, k, v, mask, kv, mlp=lambda y: layer.mlp(y))
+
+    def _attend_and_mlp(self, i, layer, x, q, k, v, mask, kv, mlp) -> torch.Tensor:
+        B, T, _ = x.shape
+        attn = layer.self_attn
+        keys, values = kv(i, k, v)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=attn.scaling,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return x + mlp(_rms_norm(layer.post_attention_layernorm, x))
+
+    def _fused_layer(self, i: int, layer, x, cos, sin, mask, kv) -> torch.Tensor:
+        """The same layer with fewer kernels (CUDA): one q|k|v projection, one gate|up projection, fused RMSNorm
+        and one rotary over q and k together. why: a small host's step is bound by kernel launches (~40 per layer
+        eagerly), not by its weights; a CUDA graph removes launch gaps but not kernels. Same math as _layer up to
+        the rounding of the fused kernels (tests/test_host.py compares both with transformers)."""
+        B, T, _ = x.shape
+        attn, (w_qkv, b_qkv, w_gu) = layer.self_attn, self._fused_weights(i)
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(_rms_norm(layer.input_layernorm, x), w_qkv, b_qkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = qkv.transpose(1, 2)  # (B, Hq + 2 Hkv, T, D)
+        qk, v = qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv:]
+        if self.config.model_type == "qwen3":
+            qk = torch.cat([attn.q_norm(qk[:, :Hq].transpose(1, 2)).transpose(1, 2),
+                            attn.k_norm(qk[:, Hq:].transpose(1, 2)).transpose(1, 2)], dim=1)
+        qk = rope(qk, cos, sin)  # q and k rotated together: one kernel set for both
+        if w_gu is None:
+            mlp = layer.mlp
+        else:
+            act = layer.mlp.act_fn
+
+            def mlp(y):
+                gate, up = F.linear(y, w_gu).chunk(2, dim=-1)
+                return layer.mlp.down_proj(act(gate) * up)
+        return self._attend_and_mlp(i, layer, x, qk[:, :Hq], qk[:, Hq:], v, mask, kv, mlp=mlp)
+
+    def _fused_weights(self, i: int):
+        """(q|k|v weight, its bias or None, gate|up weight or None) of layer i, concatenated once per device and
+        dtype (the host is frozen: its weights never change after loading)."""
+        layer = self.layers[i]
+        key = (layer.self_attn.q_proj.weight.device, layer.self_attn.q_proj.weight.dtype)
+        cache = self.__dict__.setdefault("_fused", {})
+        if cache.get("key") != key:
+            cache.clear()
+            cache["key"] = key
+        if i not in cache:
+            a, mlp = layer.self_attn, layer.mlp
+            projections = (a.q_proj, a.k_proj, a.v_proj)
+            bias = None if a.q_proj.bias is None else torch.cat([p.bias for p in projections])
+            gate_up = None
+            if hasattr(mlp, "gate_proj") and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            cache[i] = (torch.cat([p.weight for p in projections]), bias, gate_up)
+        return cache[i]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on final-normed hidden (..., H) -> float32 logits (..., V)."""

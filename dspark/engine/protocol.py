@@ -72,6 +72,13 @@ class Drafter:
     """
 
     name: str = "drafter"
+    #: attributes holding per-request state, batch-major (a KVCache's batch rows, or a tensor's dim 0). The slot
+    #: engine (dspark.engine.slots) admits a request into a free slot by running begin/observe on a sub-batch and
+    #: writing these rows into the full batch's state in place; the static batch is the case of one admission.
+    slot_state: tuple[str, ...] = ()
+    #: True when propose/observe are tensor-only (no host syncs, no Python branching on values) and update state in
+    #: place: the slot engine may then capture them in a CUDA graph
+    capturable: bool = False
     #: host layers whose raw outputs this drafter consumes (concatenated in this order); () = none
     feature_layers: tuple[int, ...] = ()
 
@@ -93,6 +100,7 @@ class NoDrafter(Drafter):
     """Proposes nothing: the loop degenerates to plain autoregressive decoding."""
 
     name = "none"
+    capturable = True
 
     def propose(self, state: DraftState, K: int) -> Proposal:
         return Proposal(tokens=state.seq.new_zeros(state.seq.shape[0], 0))
@@ -107,6 +115,8 @@ class Verifier:
     #: True when every length is K (or the drafter's own lengths): the decode loop then sizes the verify
     #: forward as K + 1, or as the drafter's `Proposal.width` + 1, without reading the lengths back from the device
     static_length: bool = False
+    #: True when lengths() is tensor-only and keeps no Python state: the slot engine may capture it in a CUDA graph
+    capturable: bool = False
 
     def begin(self, *, batch_size: int) -> None:
         """Reset per-batch state."""
@@ -123,6 +133,7 @@ class VerifyAll(Verifier):
 
     name = "full"
     static_length = True
+    capturable = True
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         if proposal.lengths is not None:

@@ -1,0 +1,230 @@
+"""Decoding speed on one GPU: transformers generate() against the slot engine, plain and speculative.
+
+    python benchmarks/speed.py --out-dir benchmarks/h200            # SmolLM2 bf16 greedy, C = 1 8 64 256
+
+Writes OUT/speed.json (keys: hf_generate_tok_s, hf_prompt_lookup_tok_s, hf_custom_generate_tok_s, plain_tok_s,
+speculative, stages, graphs, in_flight, divergence, llama8b_step_ms, llama8b_floor_ms, environment) and prints a
+markdown table. Every run uses the same prompts (six MT-Bench first turns, repeated to fill the larger runs),
+128 new tokens, greedy; a run at concurrency C keeps C requests in flight (closed loop, dspark.engine).
+
+Drafters: n-gram (model-free); EAGLE-3, DFlash and DSpark are random-initialised unless --checkpoints DIR holds
+trained ones (DIR/<name>): their tau is then ~1 and the speculative rows measure the engine's overhead at that tau,
+not a trained drafter's speed-up. Never imported by the package.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark.api import encode_prompts, load_host  # noqa: E402
+from dspark.engine.decode import generate  # noqa: E402
+from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
+from dspark.metrics import summarize  # noqa: E402
+
+NEW = 128
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prompts_for(ids: list[list[int]], n: int) -> list[list[int]]:
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def n_prompts(C: int, cap: int) -> int:
+    """Enough requests that the closed loop refills slots: 6 at C = 1, 4 C otherwise (at most `cap`)."""
+    return 6 if C == 1 else min(cap, max(4 * C, 16))
+
+
+def hf_tok_s(host, ids: list[list[int]], **kwargs) -> float:
+    """transformers generate() one prompt at a time (concurrency 1), greedy."""
+    model, tokens, seconds = host.model, 0, 0.0
+    for i, p in enumerate(ids):
+        x = torch.tensor([p], device=host.device)
+        sync()
+        start = time.perf_counter()
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, **kwargs)
+        sync()
+        if i:  # the first call warms up
+            seconds += time.perf_counter() - start
+            tokens += out.shape[1] - x.shape[1]
+    return tokens / seconds
+
+
+def engine_run(host, ids, C: int, drafter=None, K: int = 7) -> dict:
+    generate(host, ids[:C], drafter=drafter, draft_length=K, max_new_tokens=8, concurrency=C)  # warm-up
+    sync()
+    out = generate(host, ids, drafter=drafter, draft_length=K, max_new_tokens=NEW, concurrency=C, timing=True)
+    s = summarize(out, draft_length=K if drafter is not None else 0)
+    e = out.engine
+    flight = e["in_flight"]
+    # rounds before the queue ran dry: up to the last round that still ran with C in flight
+    full = max((i for i, c in enumerate(flight) if c == C), default=-1) + 1
+    return {"tok_s": s["tokens_per_s"], "tau": s["tau"], "rounds": out.rounds, "seconds": out.seconds,
+            "requests": len(ids), "graphs": e["graphs"], "warmup_s": e["warmup_s"],
+            "stage_ms_per_round": {k: 1000 * v / max(1, out.rounds) for k, v in e["stage_s"].items()},
+            "in_flight_fraction_until_dry": (sum(flight[:full]) / (C * full)) if full else float("nan"),
+            "ttft_s_mean": sum(out.ttft) / len(out.ttft), "latency_s_mean": sum(out.latency) / len(out.latency),
+            "tokens": out.token_ids}
+
+
+def drafters_for(host, names, checkpoints: Path | None, K: int):
+    from drafters import build_drafter
+
+    out = {}
+    for name in names:
+        path = None if checkpoints is None else checkpoints / name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            if name == "ngram":
+                d = build_drafter("ngram", host)
+            elif path is not None and path.is_dir():
+                d = build_drafter(name, host, checkpoint=path)
+            else:
+                overrides = {"eagle3": dict(ttt_length=K)}.get(name, {})
+                torch.manual_seed(0)
+                d = build_drafter(name, host, **overrides)
+        if isinstance(d, torch.nn.Module):
+            d = d.to(dtype=host.dtype)
+        out[name] = (d, "trained" if path is not None and path.is_dir() else ("model-free" if name == "ngram"
+                                                                              else "random-init"))
+    return out
+
+
+def llama8b(new: int = 32) -> dict:
+    """Random llama-8b host, bf16, concurrency 1: the plain step against its weight-read floor."""
+    host = load_host("random:llama-8b", dtype="bfloat16", device="cuda")
+    ids = [list(range(1, 65))]
+    out = engine_run(host, ids, 1)
+    step_ms = 1000 * out["seconds"] / max(1, out["rounds"] + 1)
+    verify_ms = out["stage_ms_per_round"].get("verify", float("nan"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in host.model.parameters())
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bandwidth = 2 * x.numel() * reps / (time.perf_counter() - start)  # bytes read + written per second
+    del x, y, host
+    torch.cuda.empty_cache()
+    return {"llama8b_step_ms": step_ms, "llama8b_verify_ms": verify_ms, "llama8b_floor_ms": 1000 * weight_bytes / bandwidth,
+            "llama8b_weight_bytes": weight_bytes, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "llama8b_graphs": out["graphs"], "llama8b_warmup_s": out["warmup_s"]}
+
+
+def divergence(plain: list[list[int]], spec: list[list[int]]) -> dict:
+    """bf16 greedy speculative vs plain: requests identical, and the mean length of the common prefix."""
+    same, prefix = 0, []
+    for a, b in zip(plain, spec):
+        same += a == b
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(n / max(1, len(a)))
+    return {"identical_requests": same / len(plain), "mean_common_prefix_fraction": sum(prefix) / len(prefix)}
+
+
+def main(argv=None) -> int:
+    global NEW
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", "benchmarks/h200")))
+    ap.add_argument("--host", default="smollm2")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--spec-concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--drafters", nargs="+", default=["ngram", "eagle3", "dflash", "dspark"])
+    ap.add_argument("--checkpoints", type=Path, default=None)
+    ap.add_argument("--max-prompts", type=int, default=256)
+    ap.add_argument("--draft-length", type=int, default=7)
+    ap.add_argument("--max-new-tokens", type=int, default=NEW)
+    ap.add_argument("--skip-llama8b", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
+    args = ap.parse_args(argv)
+    K = args.draft_length
+    NEW = args.max_new_tokens
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__, "python": platform.python_version(), "host": args.host,
+           "command": "python benchmarks/speed.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
+    ids = encode_prompts(host, MT_BENCH, chat=True) if host.tokenizer is not None else \
+        [list(range(5 + 3 * i, 40 + 7 * i)) for i in range(6)]
+    result: dict = {"environment": env, "new_tokens": NEW, "draft_length": K}
+    t = time.perf_counter()
+    result["hf_generate_tok_s"] = hf_tok_s(host, ids)
+    result["hf_prompt_lookup_tok_s"] = hf_tok_s(host, ids, prompt_lookup_num_tokens=K)
+    import dspark.hf
+
+    result["hf_custom_generate_tok_s"] = hf_tok_s(host, ids, custom_generate=dspark.hf.speculative("ngram"))
+    print(f"hf done in {time.perf_counter() - t:.0f}s", flush=True)
+    runs: dict = {"plain": {}}
+    for C in args.concurrency:
+        runs["plain"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
+        print("plain", C, round(runs["plain"][C]["tok_s"], 1), flush=True)
+    for name, (drafter, how) in drafters_for(host, args.drafters, args.checkpoints, K).items():
+        runs[name] = {}
+        for C in args.spec_concurrency:
+            runs[name][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C, drafter, K)
+            runs[name][C]["drafter"] = how
+            print(name, C, round(runs[name][C]["tok_s"], 1), "tau", round(runs[name][C]["tau"], 2), flush=True)
+    result["plain_tok_s"] = {C: r["tok_s"] for C, r in runs["plain"].items()}
+    result["speculative"] = {name: {"tok_s": {C: r["tok_s"] for C, r in rs.items()},
+                                    "tau": {C: r["tau"] for C, r in rs.items()},
+                                    "drafter": next(iter(rs.values()))["drafter"]}
+                             for name, rs in runs.items() if name != "plain"}
+    result["divergence"] = {name: divergence(runs["plain"][1]["tokens"], rs[1]["tokens"])
+                            for name, rs in runs.items() if name != "plain" and 1 in rs and 1 in runs["plain"]}
+    result["runs"] = {name: {C: {k: v for k, v in r.items() if k != "tokens"} for C, r in rs.items()}
+                      for name, rs in runs.items()}
+    del host
+    torch.cuda.empty_cache()
+    if not args.skip_llama8b:
+        result.update(llama8b())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    return 0
+
+
+def table(r: dict) -> str:
+    lines = [f"| method | C | tok/s | tau | ratio to plain | ms/round draft / verify / accept / bookkeeping | graphs "
+             f"| warm-up s | in flight |", "|---|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | |")
+    lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} | | | | | | |")
+    lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | "
+                 f"{r['hf_custom_generate_tok_s']:.1f} | | | | | | |")
+    for name, rs in r["runs"].items():
+        for C, x in rs.items():
+            plain = r["runs"]["plain"].get(C, {}).get("tok_s")
+            st = x["stage_ms_per_round"]
+            split = " / ".join(f"{st.get(k, float('nan')):.2f}" for k in ("draft", "verify", "accept", "bookkeeping"))
+            ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""
+            lines.append(f"| {name}{' (' + x['drafter'] + ')' if 'drafter' in x else ''} | {C} | {x['tok_s']:.1f} | "
+                         f"{x['tau']:.2f} | {ratio} | {split} | {x['graphs']} | {x['warmup_s']:.2f} | "
+                         f"{x['in_flight_fraction_until_dry']:.3f} |")
+    if "llama8b_step_ms" in r:
+        lines.append(f"\nrandom llama-8b, C = 1: plain step {r['llama8b_step_ms']:.2f} ms (verify graph "
+                     f"{r['llama8b_verify_ms']:.2f} ms) against a weight-read floor of {r['llama8b_floor_ms']:.2f} ms "
+                     f"({r['llama8b_weight_bytes'] / 1e9:.2f} GB at {r['copy_bandwidth_GBps']:.0f} GB/s)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

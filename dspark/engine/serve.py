@@ -1,0 +1,162 @@
+"""The continuous-batching driver: C slots, a queue of requests, rounds until every request has stopped.
+
+Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its one device-to-host
+copy, then on the CPU the commit of each live slot's new tokens (stops, budgets, streaming callbacks, the round
+log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
+its own prefill (batched with the other arrivals of that moment). Static-batch decoding is the case where every
+request is admitted at once (C = the number of requests).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.graphs import round_runner
+from dspark.engine.round import FINITE, N_ACCEPTED, PROPOSED, VERIFIED
+from dspark.engine.slots import Request, Slots
+
+
+@dataclass
+class Sink:
+    """Where the engine writes what it decodes, indexed by Request.index (shared with the caller)."""
+
+    outputs: list[list[int]]
+    reasons: list[str]
+    latency: list[float]  # admission to last token
+    ttft: list[float]  # admission to first token
+    log: object  # dspark.decode.RoundLog
+    stops: set[int]
+    on_tokens: object = None  # callable(index, ids) -> bool, or None
+    bar: object = None  # tqdm or None
+    t0: float = field(default_factory=time.perf_counter)
+    rows: list = field(default_factory=list)  # (request, round, proposed, verified, accepted, committed) per row
+    confidence: list = field(default_factory=list)  # (device (C, K) confidences, live slots) per round
+
+    def close(self) -> None:
+        """Write the collected rows into the RoundLog: one tensor per column, confidences read back once."""
+        names = ("request", "round", "proposed", "verified", "accepted", "committed")
+        columns = torch.tensor(self.rows, dtype=torch.long).reshape(-1, len(names)).T
+        for name, column in zip(names, columns):
+            getattr(self.log, name).append(column.clone())
+        if self.confidence:
+            flat = torch.cat([c for c, _ in self.confidence]).cpu()  # (sum of C over rounds, K)
+            offsets, index = 0, []
+            for c, live in self.confidence:
+                index.extend(offsets + s for s in live)
+                offsets += c.shape[0]
+            self.log.confidence.append(flat[torch.tensor(index, dtype=torch.long)])
+        else:
+            self.log.confidence.append(None)
+
+    def take(self, request: Request, ids: list[int], remaining: int) -> tuple[list[int], bool, int]:
+        """Cut ids at the budget and the first stop token; (taken, still live, tokens left). Calls on_tokens."""
+        take, live = ids[: min(len(ids), remaining)], True
+        for j, t in enumerate(take):
+            if t in self.stops:
+                take, live = take[: j + 1], False
+                self.reasons[request.index] = "stop"
+                break
+        self.outputs[request.index].extend(take)
+        remaining -= len(take)
+        live = live and remaining > 0
+        if self.on_tokens is not None and take and self.on_tokens(request.index, take) and live:
+            self.reasons[request.index] = "stop"  # the callback's own stopping rule (e.g. StoppingCriteria)
+            live = False
+        if self.bar is not None:
+            self.bar.update(len(take))
+        return take, live, remaining
+
+
+@dataclass
+class EngineStats:
+    rounds: int = 0
+    admissions: int = 0  # prefill forwards (one per group of arrivals)
+    graphs: int = 0  # CUDA graphs captured
+    warmup_s: float = 0.0  # warm-up and capture
+    stage_s: dict = field(default_factory=dict)  # draft / verify / accept device seconds, bookkeeping wall seconds
+    in_flight: list[int] = field(default_factory=list)  # requests in flight at each round
+
+
+def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
+          graphs: bool | None = None, timing: bool = False) -> EngineStats:
+    """Decode every request with at most `concurrency` in flight, writing into `sink`."""
+    C = max(1, min(concurrency, len(requests)))
+    max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
+    slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling)
+    runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
+    stats = EngineStats(graphs=runner.graphs, warmup_s=runner.warmup_s)
+    queue = deque(requests)
+    _fill(slots, queue, sink, stats)
+    busy = 0.0
+    while slots.in_flight():
+        start = time.perf_counter()
+        packed, draft = runner()
+        packed = packed.cpu()  # the round's one device-to-host copy
+        stats.in_flight.append(slots.in_flight())
+        done = _commit_round(slots, packed, draft, sink, stats.rounds, K)
+        _finish(slots, done, sink)
+        _fill(slots, queue, sink, stats)
+        stats.rounds += 1
+        busy += time.perf_counter() - start
+    stats.stage_s = runner.timer.seconds()
+    if stats.stage_s:
+        stats.stage_s["bookkeeping"] = max(0.0, busy - sum(stats.stage_s.values()))
+    return stats
+
+
+def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> None:
+    """Admit queued requests into free slots until none is free or the queue is empty."""
+    while queue and slots.free():
+        free = slots.free()[: len(queue)]
+        arrivals = [queue.popleft() for _ in free]
+        start = time.perf_counter()
+        first = slots.admit(free, arrivals).tolist()
+        stats.admissions += 1
+        now = time.perf_counter()
+        done = []
+        for s, r, token in zip(free, arrivals, first):
+            sink.ttft[r.index] = now - start
+            sink.latency[r.index] = start  # admission time until the request finishes (see _finish)
+            _, live, slots.remaining_cpu[s] = sink.take(r, [token], slots.remaining_cpu[s])
+            if not live:
+                done.append(s)
+        _finish(slots, done, sink)
+
+
+def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
+    now = time.perf_counter()
+    for r in slots.retire(done):
+        sink.latency[r.index] = now - sink.latency[r.index]
+
+
+def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int) -> list[int]:
+    """Commit each live slot's tokens from the packed round output (C, K+1+4); returns the slots that stopped.
+
+    why plain Python lists here: per-element tensor indexing costs microseconds each, C of them per round, which
+    on a GPU is the time of a whole captured round; the log's tensors are built once at the end (Sink.close)."""
+    live_slots = [s for s, r in enumerate(slots.request) if r is not None]
+    table = packed.tolist()
+    bad = [slots.request[s].index for s in live_slots if not table[s][K + 1 + FINITE]]
+    if bad:
+        raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
+                                 f"in round {round_index} for request(s) {bad}; no token of that round was accepted")
+    rows, done = sink.rows, []
+    for s in live_slots:
+        row, request = table[s], slots.request[s]
+        accepted = row[K + 1 + N_ACCEPTED]
+        before = slots.remaining_cpu[s]
+        _, live, slots.remaining_cpu[s] = sink.take(request, row[: accepted + 1], before)
+        slots.cache_len[s] += accepted + 1
+        rows.append((request.index, slots.rounds_cpu[s], row[K + 1 + PROPOSED], row[K + 1 + VERIFIED], accepted,
+                     before - slots.remaining_cpu[s]))
+        slots.rounds_cpu[s] += 1
+        if not live:
+            done.append(s)
+    if draft.confidence is not None:  # a device-side copy of the round's buffer, read back once at the end
+        sink.confidence.append((draft.confidence.float().clone(), live_slots))
+    sink.log.batch.append(len(live_slots))
+    sink.log.time.append(time.perf_counter() - sink.t0)
+    return done

@@ -1,0 +1,71 @@
+"""The closed-loop workload runner: C requests in flight from a prompt list, as serving benchmarks run with a
+maximum concurrency. A request enters as soon as one leaves (dspark.engine.serve); per request it records the time
+to first token, the end-to-end latency and tokens/s, per round the number of requests in flight.
+
+Shapes: n requests, C concurrency.
+"""
+from __future__ import annotations
+
+from dspark.engine.sampling import SamplingConfig
+
+PROMPTS = [  # first turns of six MT-Bench questions (writing, roleplay, reasoning, math, coding, extraction)
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+    "must-see attractions.",
+    "Pretend yourself to be Elon Musk in all the following conversations. Speak like Elon Musk as much as possible. "
+    "Why do we need to go to Mars?",
+    "Imagine you are participating in a race with a group of people. If you have just overtaken the second person, "
+    "what's your current position? Where is the person you just overtook?",
+    "The vertices of a triangle are at points (0, 0), (-1, 1), and (3, 3). What is the area of the triangle?",
+    "Implement a program to find the common elements in two arrays without using any extra data structures.",
+    "Extract the following information from the presented texts: The name of the book, the author, the main "
+    "character, the year of publication. Output in the format of \"main character, book, author, year of "
+    "publication\", one book per line. a) In the realm of wizarding literature, a true standout is the work of "
+    "J.K. Rowling. One of her books that left an indelible mark is 'Harry Potter and the Philosopher's Stone'.",
+]
+
+
+def run_workload(host, prompts: list[list[int]], *, concurrency: int, drafter=None, verifier=None,
+                 draft_length: int = 7, max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),
+                 seed: int = 0, graphs: bool | None = None, timing: bool = False) -> dict:
+    """Decode `prompts` keeping `concurrency` in flight; a JSON-ready summary with per-request rows."""
+    from dspark.engine.decode import generate
+
+    out = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
+                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency,
+                   graphs=graphs, timing=timing)
+    accepted = out.log.column("accepted").float()
+    in_flight = out.engine["in_flight"]
+    C = max(1, min(concurrency, len(prompts)))
+    # the queue runs dry at the last round that still had every slot busy
+    dry = max((i for i, c in enumerate(in_flight) if c == C), default=-1) + 1
+    requests = [{"ttft_s": t, "latency_s": s, "new_tokens": len(ids), "tokens_per_s": len(ids) / s if s > 0 else None}
+                for t, s, ids in zip(out.ttft, out.latency, out.token_ids)]
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "new_tokens": sum(len(t) for t in out.token_ids),
+        "seconds": out.seconds,
+        "tokens_per_s": sum(len(t) for t in out.token_ids) / out.seconds if out.seconds > 0 else None,
+        "tau": float((accepted + 1).mean()) if len(accepted) else None,
+        "rounds": out.rounds,
+        "admissions": out.batches,
+        "mean_in_flight": sum(in_flight) / len(in_flight) if in_flight else 0.0,
+        "in_flight_until_dry": sum(in_flight[:dry]) / (C * dry) if dry else None,
+        "ttft_s_mean": sum(out.ttft) / len(out.ttft),
+        "latency_s_mean": sum(out.latency) / len(out.latency),
+        "graphs": out.engine["graphs"],
+        "warmup_s": out.engine["warmup_s"],
+        "stage_s": out.engine["stage_s"],
+        "in_flight": in_flight,
+        "per_request": requests,
+    }
+
+
+def bench(host, prompts: list[list[int]], methods: dict, concurrencies: list[int], **kwargs) -> list[dict]:
+    """One run_workload row per (method, concurrency); methods maps a name to a drafter (None = plain)."""
+    rows = []
+    for name, drafter in methods.items():
+        for C in concurrencies:
+            row = run_workload(host, prompts, concurrency=C, drafter=drafter, **kwargs)
+            rows.append({"method": name, **row})
+    return rows

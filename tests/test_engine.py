@@ -1,0 +1,208 @@
+"""The slot engine (dspark.engine) against the eager loop, its oracle: fp32 on the CPU.
+
+Every request's tokens equal those of the eager loop decoding it alone, for every drafter and verifier, with
+requests admitted at different rounds (fewer slots than requests, different lengths and budgets) and in different
+orders; greedy, and sampled with the same seeds where the verifier decides each request's lengths from that
+request alone (the schedulers couple the batch: their lengths, hence the rounds that key draft noise, depend on the
+companions; greedy output does not). Also: the static batch is the all-at-once case, requests in flight stay at C
+while the queue lasts, and the round makes one device-to-host copy.
+
+Shapes: n requests, C slots, K draft positions.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from drafters import DRAFTERS
+from dspark.engine.decode import generate
+from dspark.engine.sampling import SamplingConfig
+from tests.conftest import random_prompts
+from tests.test_decode import K, build_any, trained_dspark
+from verifiers import build_verifier
+from verifiers.cost_model import CostModel
+
+GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+LENGTHS = [5, 1, 12, 7, 3, 9]
+LIMITS = [10, 4, 14, 6, 12, 3]  # different budgets: slots free at different rounds
+SEEDS = [500 + 7 * i for i in range(len(LENGTHS))]
+COST = CostModel.from_points({1: 50.0, 16: 45.0, 64: 10.0})
+
+
+def prompts_of(host):
+    """Six prompts; the repeated halves of random_prompts give the n-gram drafter matches."""
+    return random_prompts(LENGTHS, host.vocab_size, seed=5)
+
+
+def verifier_of(name: str):
+    if name == "threshold":
+        return build_verifier("threshold", threshold=0.3)
+    if name in ("scheduler", "lagged"):
+        return build_verifier(name, cost_table=COST)
+    return build_verifier(name)
+
+
+@functools.cache
+def drafter_of(name: str, host, tmp_path_factory=None):
+    if name == "dspark-trained":
+        return trained_dspark(host)
+    return build_any(name, host, _tmp())
+
+
+@functools.cache
+def _tmp():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp(prefix="engine-test-"))
+
+
+def solo(host, drafter, verifier, prompt, limit, seed, sampling):
+    """The oracle: the eager loop decoding this request alone."""
+    out = generate(host, [prompt], drafter=drafter, verifier=verifier, draft_length=K, max_new_tokens=limit,
+                   sampling=sampling, seeds=[seed], engine="eager")
+    return out.token_ids[0]
+
+
+def check_against_solo(host, drafter_name, verifier_name, sampling, concurrency, order):
+    drafter = None if drafter_name == "none" else drafter_of(drafter_name, host)
+    prompts = prompts_of(host)
+    ids = [order(list(range(len(prompts))))][0]
+    got = generate(host, [prompts[i] for i in ids], drafter=drafter, verifier=verifier_of(verifier_name),
+                   draft_length=K, max_new_tokens=[LIMITS[i] for i in ids], sampling=sampling,
+                   seeds=[SEEDS[i] for i in ids], concurrency=concurrency)
+    assert got.batches > 1  # requests were admitted at different rounds
+    for j, i in enumerate(ids):
+        want = solo(host, drafter, verifier_of(verifier_name), prompts[i], LIMITS[i], SEEDS[i], sampling)
+        assert got.token_ids[j] == want, f"{drafter_name}/{verifier_name}: request {i}"
+    return got
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "dspark-trained"] + sorted(set(DRAFTERS) - {"dspark"}))
+def test_every_drafter_equals_solo_eager(tiny_host, drafter_name):
+    for sampling in (GREEDY, T1):
+        for concurrency, order in ((2, lambda x: x), (3, lambda x: x[::-1])):
+            check_against_solo(tiny_host, drafter_name, "full", sampling, concurrency, order)
+
+
+@pytest.mark.parametrize("verifier_name", ["threshold", "scheduler", "lagged"])
+def test_every_verifier_equals_solo_eager(tiny_host, verifier_name):
+    samplings = (GREEDY, T1) if verifier_name == "threshold" else (GREEDY,)
+    for sampling in samplings:
+        got = check_against_solo(tiny_host, "dspark-trained", verifier_name, sampling, 2, lambda x: x[1:] + x[:1])
+        assert int(got.log.column("accepted").sum()) > 0  # acceptance was exercised
+
+
+def test_static_batch_is_all_requests_admitted_at_once(tiny_host):
+    drafter = trained_dspark(tiny_host)
+    prompts = prompts_of(tiny_host)
+    kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=LIMITS, seeds=SEEDS, sampling=T1)
+    static = generate(tiny_host, prompts, **kwargs)
+    eager = generate(tiny_host, prompts, engine="eager", **kwargs)
+    assert static.token_ids == eager.token_ids and static.batches == 1 and static.rounds == eager.rounds
+    assert static.log.column("accepted").tolist() == eager.log.column("accepted").tolist()
+
+
+def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
+    prompts = random_prompts([4] * 12, tiny_host.vocab_size, seed=2)
+    out = generate(tiny_host, prompts, max_new_tokens=[3 + i % 4 for i in range(12)], concurrency=4)
+    in_flight = out.engine["in_flight"]
+    # after the last admission the queue is dry; before it every round ran with all 4 slots busy
+    rounds_to_last_admission = len(in_flight) - next(i for i, c in enumerate(reversed(in_flight)) if c == 4)
+    assert all(c == 4 for c in in_flight[:rounds_to_last_admission])
+    assert out.batches > 1 and len(out.ttft) == 12 and all(t > 0 for t in out.ttft)
+
+
+def test_one_device_to_host_copy_per_round(tiny_host, monkeypatch):
+    copies = []
+    real = torch.Tensor.cpu
+
+    def counting(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    prompts = prompts_of(tiny_host)
+    drafter = trained_dspark(tiny_host)
+    out = generate(tiny_host, prompts[:3], drafter=drafter, draft_length=K, max_new_tokens=8)  # warm lazy inits
+    monkeypatch.setattr(torch.Tensor, "cpu", counting)
+    out = generate(tiny_host, prompts[:3], drafter=drafter, draft_length=K, max_new_tokens=8)
+    monkeypatch.undo()
+    round_copies = [c for c in copies if c == (3, K + 1 + 4)]
+    assert len(round_copies) == out.rounds
+    # the rest: the admission's first tokens (one) and the confidences of the log, read once at the end
+    assert len(copies) - len(round_copies) <= 2
+
+
+def test_bad_concurrency_is_refused(tiny_host):
+    with pytest.raises(ValueError, match="concurrency"):
+        generate(tiny_host, [[1, 2]], concurrency=0)
+    with pytest.raises(ValueError, match="engine"):
+        generate(tiny_host, [[1, 2]], engine="fast")
+
+
+def test_device_ngram_lookup_equals_the_python_rule():
+    from dspark.engine.protocol import DraftState
+    from drafters.ngram import NgramDrafter
+
+    g = torch.Generator().manual_seed(3)
+    for max_n, min_n in ((3, 1), (4, 2), (1, 1)):
+        drafter = NgramDrafter(max_ngram=max_n, min_ngram=min_n)
+        seq = torch.randint(0, 5, (40, 30), generator=g)  # a small vocabulary: many matches of every length
+        length = torch.randint(1, 31, (40,), generator=g)
+        state = DraftState(seq=seq, seq_len=length, seeds=torch.zeros(40, dtype=torch.long),
+                           rounds=torch.zeros(40, dtype=torch.long), sampling=GREEDY)
+        for K in (1, 4, 7):
+            got = drafter.propose(state, K)
+            for b in range(40):
+                want = drafter._lookup(seq[b, : int(length[b])].tolist(), K)
+                n = int(got.lengths[b])
+                assert got.tokens[b, :n].tolist() == want and n == len(want)
+                assert got.tokens[b, n:].eq(0).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_host_layers_equal_the_module_path(kind):
+    """The CUDA step's fused layers (one q|k|v and one gate|up projection, rotary over q and k together) compute
+    what the host's own modules compute; run here on the CPU with fused=True."""
+    from dspark.engine.host import Host
+    from tests.conftest import tiny_model
+
+    tiny_host = Host(tiny_model(kind), name=kind)
+    tokens = torch.tensor(random_prompts([9, 9], tiny_host.vocab_size, seed=4))
+    outs = []
+    for fused in (False, True):
+        cache = tiny_host.new_cache(2, 32)
+        out = tiny_host.step(cache, tokens, torch.tensor([9, 6]), taps=(1, 2), fused=fused)
+        outs.append((out, cache.k.clone()))
+    (ref, ref_k), (got, got_k) = outs
+    torch.testing.assert_close(got.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.features, ref.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):
+    import json
+
+    from dspark.cli import main
+
+    rc = main(["bench", "--host", "random:tiny-llama", "--drafter", "ngram", "--concurrency", "1", "4",
+               "--num-prompts", "8", "--max-new-tokens", "16", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("plain", 1), ("plain", 4), ("ngram", 1), ("ngram", 4)]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["tau"] >= 1 and r["requests"] == 8
+        assert 0 < r["mean_in_flight"] <= r["concurrency"] and len(r["per_request"]) == 8
+        assert all(q["ttft_s"] > 0 and q["latency_s"] >= q["ttft_s"] for q in r["per_request"])
+    assert rows[1]["mean_in_flight"] > 1  # four slots were kept busy
+
+
+def test_api_generate_takes_a_concurrency(tiny_host):
+    import dspark
+
+    prompts = prompts_of(tiny_host)
+    static = dspark.generate(tiny_host, "ngram", prompts, max_new_tokens=6)
+    continuous = dspark.generate(tiny_host, "ngram", prompts, max_new_tokens=6, concurrency=2)
+    assert continuous.texts == static.texts and continuous.result.batches > 1

@@ -1,0 +1,45 @@
+"""The slot engine's CUDA-graph rounds against its eager rounds, on a CUDA device (skipped without one, so in CI).
+
+fp32 tiny host: for every drafter, greedy and sampled, continuous batching with graphs replayed gives every request
+the tokens the eager loop gives it decoding alone; the graphs are captured once per run (3 with a capturable
+drafter and verifier, 2 otherwise). Run on the GPU machine by benchmarks/speed.py's recipe (RESULTS.md).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters import DRAFTERS
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.sampling import SamplingConfig
+from tests.conftest import random_prompts, tiny_model
+from tests.test_decode import K, build_any
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LIMITS = [10, 4, 14, 6, 12, 3]
+
+
+@pytest.fixture(scope="module")
+def cuda_host():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return Host(tiny_model("llama").to("cuda"), name="tiny-llama-cuda")
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("name", ["none"] + sorted(DRAFTERS))
+def test_graph_rounds_equal_eager_solo(cuda_host, name, sampling, tmp_path):
+    drafter = None if name == "none" else build_any(name, cuda_host, tmp_path)
+    if drafter is not None and isinstance(drafter, torch.nn.Module):
+        drafter = drafter.to("cuda")
+    prompts = random_prompts([5, 1, 12, 7, 3, 9], cuda_host.vocab_size, seed=5)
+    seeds = [500 + 7 * i for i in range(6)]
+    got = generate(cuda_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, sampling=sampling,
+                   seeds=seeds, concurrency=2, graphs=True)
+    assert got.engine["graphs"] in (2, 3) and got.batches > 1
+    for i, p in enumerate(prompts):
+        alone = generate(cuda_host, [p], drafter=drafter, draft_length=K, max_new_tokens=LIMITS[i],
+                         sampling=sampling, seeds=[seeds[i]], engine="eager")
+        assert got.token_ids[i] == alone.token_ids[0], f"{name}: request {i}"
