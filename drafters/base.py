@@ -23,6 +23,10 @@ class TrainBatch:
     features: torch.Tensor | None  # (B, T, F) host taps of the drafter's feature_layers, or None
     host_logits: torch.Tensor  # (B, T, V) float
     generator: torch.Generator | None = None  # for anchor sampling, so resumed runs repeat exactly
+    # (B,) long: keys each row's anchor noise (counter-based, dspark.engine.sampling) so that a row samples the same
+    # anchors whatever batch, process or padding it is in (N processes x B rows = 1 process x N*B rows); wins over
+    # generator
+    anchor_seeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -30,3 +34,6 @@ class TrainOutput:
     loss: torch.Tensor  # scalar, differentiable
     metrics: dict  # str -> float: loss parts (ce, tv, conf, ...), for logging
     acceptance: torch.Tensor  # (K,) teacher-forced conditional acceptance estimate per position, in [0, 1]
+    # the loss's normaliser: loss = (sum of the weighted terms) / weight. The training loop weighs processes by it, so
+    # N processes train and log the one-process loss of the same global batch; None: every process weighs the same
+    weight: float | None = None

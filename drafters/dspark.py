@@ -36,10 +36,11 @@ from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training
                              sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import (checkpointed_chunks, chunk_rows, confidence_bce, distill_terms, per_position_mean,
-                             position_weights, weighted_mean)
+                             position_weights, weight_total, weighted_mean)
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.sampling import STREAM_ANCHOR, uniform
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -302,7 +303,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         """L = ce_weight·L_ce + tv_weight·L_tv + conf_weight·L_conf over randomly anchored blocks."""
         cfg, gamma = self.config, self.config.gamma
         anchors, anchor_ok = sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=cfg.max_anchors,
-                                            generator=batch.generator)  # (B, A)
+                                            generator=batch.generator, seeds=batch.anchor_seeds)  # (B, A)
         h, prev = self.block_hidden(input_ids=batch.input_ids, features=batch.features,
                                     document_ids=batch.document_ids, anchors=anchors)  # (B, A, gamma, H)
         B, A = anchors.shape
@@ -332,20 +333,27 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         acceptance = per_position_mean(accept, valid)  # (gamma,)
         parts.update(loss=loss, acceptance=acceptance.mean(), anchors=anchor_ok.sum().float())
         values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one sync for all metrics
-        return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance)
+        return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance,
+                           weight=weight_total(w, valid))
 
 
 def sample_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor, *, max_anchors: int,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   generator: torch.Generator | None, seeds: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to max_anchors anchor positions per sequence, without replacement, among positions whose next token is a
     response token of the same document. Returns anchors (B, A) ascending and anchor_ok (B, A) (False = padding
-    for sequences with fewer candidates)."""
+    for sequences with fewer candidates). seeds (B,) long: row b's scores are counter-based noise keyed by (seeds[b],
+    position), so its anchors do not depend on the other rows, the padding or the device; else `generator`."""
     B, T = loss_mask.shape
     candidate = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)  # (B, T)
     candidate[:, :-1] = loss_mask[:, 1:].bool() & (document_ids[:, 1:] == document_ids[:, :-1])
     A = max(1, min(max_anchors, int(candidate.sum(1).max())))
-    device = generator.device if generator is not None else loss_mask.device
-    scores = torch.rand(B, T, generator=generator, device=device).to(loss_mask.device)  # (B, T) in [0, 1)
+    if seeds is not None:
+        positions = torch.arange(T, device=loss_mask.device).expand(B, T)
+        scores = uniform(seeds.to(loss_mask.device), positions, STREAM_ANCHOR)  # (B, T) in (0, 1)
+    else:
+        device = generator.device if generator is not None else loss_mask.device
+        scores = torch.rand(B, T, generator=generator, device=device).to(loss_mask.device)  # (B, T) in [0, 1)
     top = scores.masked_fill(~candidate, -1.0).topk(A, dim=1)  # random subset of the candidates
     anchors, order = top.indices.sort(dim=1)
     return anchors, top.values.gather(1, order) >= 0

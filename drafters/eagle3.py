@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import checkpointed_chunks, chunk_rows, per_position_mean, weighted_mean
+from drafters.losses import checkpointed_chunks, chunk_rows, per_position_mean, weight_total, weighted_mean
 from dspark.engine.host import document_positions, rope
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -293,4 +293,5 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         loss = weighted_mean(ce, weights, valid)
         per_step = per_position_mean(ce, valid)  # (S,)
         metrics = {"ce": float(loss.detach())} | {f"ce_{j}": float(per_step[j]) for j in range(S)}
-        return TrainOutput(loss=loss, metrics=metrics, acceptance=per_position_mean(accept, valid))
+        return TrainOutput(loss=loss, metrics=metrics, acceptance=per_position_mean(accept, valid),
+                           weight=weight_total(weights, valid))

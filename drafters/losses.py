@@ -65,6 +65,11 @@ def weighted_mean(x: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -
     return (x * w).sum() / w.sum().clamp(min=1e-6)
 
 
+def weight_total(weights: torch.Tensor, valid: torch.Tensor) -> float:
+    """Σ w_k·valid, the denominator of `weighted_mean` (before its clamp): TrainOutput.weight."""
+    return float((weights * valid.to(weights.dtype)).sum())
+
+
 def per_position_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of x (..., K) over valid entries at each position k: (K,), detached; 0 where none is valid."""
     v = valid.to(torch.float32).flatten(0, -2)  # (N, K)

@@ -22,7 +22,7 @@ import torch.nn as nn
 from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask, inference_mask
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import distill_terms, per_position_mean, weighted_mean
+from drafters.losses import distill_terms, per_position_mean, weight_total, weighted_mean
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -141,4 +141,5 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         acceptance = per_position_mean(terms.accept, valid)  # (1,)
         parts = {"ce": ce, "tv": tv, "loss": loss, "acceptance": acceptance[0]}
         values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one sync for all metrics
-        return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance)
+        return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance,
+                           weight=weight_total(w, valid))

@@ -262,6 +262,35 @@ def test_anchor_blocks_stop_at_response_and_document_ends(tiny_host):
     assert out.metrics["anchors"] == 6.0  # max_anchors per sequence
 
 
+
+def test_seeded_anchors_of_a_row_do_not_depend_on_its_batch(tiny_host):
+    """Issue 25: with TrainBatch.anchor_seeds a row's anchors are a function of its seed alone, whatever rows share
+    its batch and however far the batch is padded, so N processes x B rows sample the anchors of 1 x N*B rows; and
+    TrainOutput.weight is the loss's normaliser (loss x weight adds up over rows)."""
+    from drafters.dspark import sample_anchors
+
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(tiny_host, DSparkConfig(max_anchors=5, **SMALL))
+    batch = train_batch(tiny_host, drafter)  # 2 rows
+    seeds = torch.tensor([11, 12])
+    both, ok_both = sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=5, generator=None, seeds=seeds)
+    for b in range(2):
+        pad = torch.nn.functional.pad  # the row alone, padded by 9 more positions
+        alone, ok = sample_anchors(pad(batch.loss_mask[b : b + 1], (0, 9)), pad(batch.document_ids[b : b + 1], (0, 9),
+                                   value=-1), max_anchors=5, generator=None, seeds=seeds[b : b + 1])
+        assert alone[ok].tolist() == both[b][ok_both[b]].tolist()
+    assert both[0][ok_both[0]].tolist() != sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=5,
+                                                          generator=None, seeds=seeds + 2)[0][0].tolist()
+
+    from dataclasses import replace
+
+    seeded = replace(batch, anchor_seeds=seeds)
+    out = drafter.training_loss(seeded)
+    rows = [drafter.training_loss(replace(seeded, **{k: getattr(seeded, k)[b : b + 1] for k in (
+        "input_ids", "loss_mask", "document_ids", "features", "host_logits", "anchor_seeds")})) for b in range(2)]
+    assert out.weight == pytest.approx(sum(r.weight for r in rows)) and out.weight > 0
+    assert float(out.loss) * out.weight == pytest.approx(sum(float(r.loss) * r.weight for r in rows), rel=1e-5)
+
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["dspark-rnn", "dflash", "mtp"])

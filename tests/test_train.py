@@ -236,6 +236,66 @@ def test_two_process_ddp_on_cpu_then_resume(tmp_path):
                                                        ("eval", 6)]
 
 
+@pytest.mark.slow  # ~30 s: a torchrun launch of two processes and a one-process run
+def test_two_processes_train_as_one_process_of_the_same_global_batch(tmp_path, monkeypatch):
+    """Issue 25: 2 processes x batch 2 (torchrun, gloo, CPU) log the losses, see the rows and end with the drafter
+    weights of 1 process x batch 4, with grad_accum 2; each process trains on its own rows, none twice an epoch.
+    why torchrun, not `accelerate launch`: on a CPU, `accelerate launch --cpu --num_processes 2` starts a single
+    process (multi-CPU needs mpirun) and `--multi_gpu` starts two that each see a world of one; on GPUs
+    `accelerate launch` starts the processes torchrun starts here."""
+    common = dict(host=RANDOM_HOST, drafter="dspark", drafter_args=SMALL["dspark"], data="synthetic:64", seq_len=128,
+                  grad_accum=2, max_steps=3, save_every=3, eval_every=0, lr=2e-3)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in common.items() if k != "drafter_args"]
+    flags += ["--drafter-args", *(f"{k}={v}" for k, v in SMALL["dspark"].items())]
+    (tmp_path / "rows2").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "ACCELERATE_USE_CPU": "true", "DSPARK_TRAIN_ROW_LOG": str(tmp_path / "rows2")}
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                "2", "-m", "dspark.training.train", *flags, "--batch-size=2",
+                                f"--output={tmp_path / 'two'}"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:  # a hang: kill the launcher's workers with it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stderr[-3000:]
+    (tmp_path / "rows1").mkdir()
+    monkeypatch.setenv("DSPARK_TRAIN_ROW_LOG", str(tmp_path / "rows1"))
+    one = train(TrainConfig(output=str(tmp_path / "one"), batch_size=4, **common))
+
+    two_records = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    one_records = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    assert [r["step"] for r in two_records] == [r["step"] for r in one_records] == [1, 2, 3]
+    for a, b in zip(two_records, one_records):  # the loss and its parts, which share the loss's normaliser
+        for key in ("loss", "ce", "tv", "conf"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a["step"], a[key], b[key])
+
+    # rows: process r took places 2r, 2r+1 of each global micro-batch of 4; together one epoch, each row once
+    ranks = [[json.loads(line) for line in (tmp_path / "rows2" / f"rows-{r}.jsonl").read_text().splitlines()]
+             for r in (0, 1)]
+    single = [json.loads(line) for line in (tmp_path / "rows1" / "rows-0.jsonl").read_text().splitlines()]
+    assert [e["micro"] for e in single] == [e["micro"] for e in ranks[0]] == [e["micro"] for e in ranks[1]]
+    assert [a["rows"] + b["rows"] for a, b in zip(*ranks)] == [e["rows"] for e in single]
+    seen = [i for e in ranks[0] + ranks[1] for i in e["rows"]]
+    n_rows = json.loads((one / "trainer_state.json").read_text())["train_rows"]
+    assert len(seen) == n_rows == 24 and sorted(seen) == list(range(n_rows))  # 3 steps x 2 x 4 rows: one epoch
+
+    # one process wrote the checkpoint; its drafter equals the one-process drafter. why atol 2e-5: an AdamW step moves
+    # a weight by up to lr = 2e-3 whatever its gradient's size, so rounding-level gradient differences (the two
+    # padded shapes reduce in other orders) reach ~1e-6 in 3 steps; 2e-5 is 1% of one step
+    final = checkpoints(tmp_path / "two")[-1]
+    assert final.name == one.name == "checkpoint-00000003"
+    assert {p.name for p in final.iterdir()} >= {"rng-0.safetensors", "rng-1.safetensors", "model.safetensors"}
+    from safetensors.torch import load_file
+
+    a, b = load_file(final / "model.safetensors"), load_file(one / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=2e-5, msg=name)
+
+
 def test_cli_yaml_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # train must choose offline by itself
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -20,6 +20,7 @@ STREAM_SAMPLE = 1  # plain decoding and the bonus token
 STREAM_DRAFT = 2  # drafter sampling x_k ~ q_k
 STREAM_ACCEPT = 3  # the uniform u_k of the acceptance test
 STREAM_RESIDUAL = 4  # resampling from norm(max(p - q, 0))
+STREAM_ANCHOR = 5  # training: the anchor positions of a packed row (drafters/dspark.py sample_anchors)
 
 _M1 = -0x40A7B892E31B1A47  # 0xbf58476d1ce4e5b9 as a signed int64
 _M2 = -0x6B2FB644ECCEEE15  # 0x94d049bb133111eb as a signed int64

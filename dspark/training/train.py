@@ -11,7 +11,12 @@ features (B, T, F) and host_logits (B, T, V); the drafter turns a `TrainBatch` i
     accelerate launch -m dspark.cli train --host smollm2 --drafter dflash --data regen.jsonl --output runs/df
 
 Multi-GPU: `accelerate launch` starts one process per GPU; the drafter is wrapped in DDP, the frozen host is
-replicated on every GPU and never wrapped. Each process takes its own rows of every global batch.
+replicated on every GPU and never wrapped. Each process takes its own rows of every global batch, and N processes of
+batch B train as one process of batch N*B does (tests/test_train.py, on the CPU with gloo): the same rows in each
+global micro-batch (DataOrder), the same anchors per row (keyed by the row's place in the global micro-batch, not
+by the process), and the global micro-batch's loss normalisation (each process's loss scaled by its share of the
+summed TrainOutput.weight before DDP averages gradients). DSPARK_TRAIN_ROW_LOG=<dir> makes process r append the row
+indices it trains on to <dir>/rows-<r>.jsonl (a debug record; tests check that no row is seen twice an epoch).
 
 Checkpoints, OUTPUT/checkpoint-<step:08d>/ (written into OUTPUT/.tmp-checkpoint-<step>, fsynced, then renamed, so a
 kill -9 mid-write leaves the earlier checkpoints intact; only complete checkpoints carry the final name):
@@ -259,19 +264,23 @@ class DataOrder:
         self.per_epoch = len(self.rows) // (self.batch_size * self.world_size)
         self._epoch, self._perm = -1, None
 
-    def rows_of(self, micro: int) -> list[TokenizedChat]:
-        """This process's rows of global micro-batch number `micro` (counted from the start of training)."""
+    def indices_of(self, micro: int) -> list[int]:
+        """Indices into `rows` of this process's rows of global micro-batch number `micro` (counted from the start
+        of training). They depend on the world size only through the global batch B*W: process r's rows are places
+        r*B .. r*B+B-1 of the one-process micro-batch of B*W rows."""
         epoch, index = divmod(micro, self.per_epoch)
         if epoch != self._epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._epoch, self._perm = epoch, torch.randperm(len(self.rows), generator=g).tolist()
         start = (index * self.world_size + self.rank) * self.batch_size
-        return [self.rows[i] for i in self._perm[start : start + self.batch_size]]
+        return self._perm[start : start + self.batch_size]
 
 
-def _generator(device: torch.device, seed: int, micro: int, rank: int, world_size: int) -> torch.Generator:
-    """Anchor-sampling generator of one micro-batch, a pure function of (seed, micro, rank): resumed runs repeat."""
-    return torch.Generator(device).manual_seed((seed * 2_654_435_761 + micro * world_size + rank) % 2**63)
+def _anchor_seeds(seed: int, keys: range) -> torch.Tensor:
+    """(len(keys),) long: the anchor-noise key of each row (TrainBatch.anchor_seeds), a pure function of the run's
+    seed and the row's place `key` in the global order, so resumed runs repeat and the split over processes does not
+    matter."""
+    return torch.tensor([(seed * 2**40 + k) % 2**63 for k in keys], dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,24 +299,40 @@ class Objective(torch.nn.Module):
 
 
 def make_batch(host: Host, rows: list[TokenizedChat], *, taps: tuple[int, ...], device: torch.device,
-               pad_token_id: int, generator: torch.Generator | None, autocast) -> TrainBatch:
+               pad_token_id: int, anchor_seeds: torch.Tensor | None, autocast) -> TrainBatch:
     """Collate rows and run the frozen host once: features (B, T, F) and host_logits (B, T, V)."""
     chat = collate(rows, pad_token_id=pad_token_id).to(device)
     with torch.no_grad(), autocast():
         out = host.forward(chat.input_ids, document_ids=chat.document_ids, taps=taps)
         host_logits = host.logits(out.hidden)  # (B, T, V) float32
     return TrainBatch(input_ids=chat.input_ids, loss_mask=chat.loss_mask, document_ids=chat.document_ids,
-                      features=out.features, host_logits=host_logits, generator=generator)
+                      features=out.features, host_logits=host_logits, anchor_seeds=anchor_seeds)
 
 
-def _summary(outputs: list[TrainOutput], accelerator: Accelerator) -> dict[str, Any]:
-    """Mean loss, loss parts and acceptance over micro-batches and processes."""
+def _summary(outputs: list[TrainOutput], accelerator: Accelerator, *, slots: int) -> dict[str, Any]:
+    """Loss, loss parts and acceptance of micro-batches 0..slots-1 over processes (a process may have fewer: eval).
+
+    Loss and parts of micro-batch i: the mean over processes weighted by TrainOutput.weight, which is the value one
+    process would log for all their rows (every part shares the loss's normaliser; other metrics, e.g. DSpark's
+    anchor count, get the same weighting); then the plain mean over micro-batches, as gradient accumulation
+    averages them. Acceptance: the plain mean over micro-batches and processes (its per-position denominators are
+    not reported, so N processes log it within noise of, not equal to, one process)."""
     keys = sorted(k for k in outputs[0].metrics if k not in ("loss", "acceptance"))  # those two come from fields
-    local = torch.tensor([[float(o.loss.detach()), *(float(o.metrics[k]) for k in keys)] for o in outputs],
-                         dtype=torch.float64).mean(0)
-    acc = torch.stack([o.acceptance.detach().double().cpu() for o in outputs]).mean(0)  # (K,)
-    both = accelerator.reduce(torch.cat([local, acc]).to(accelerator.device), reduction="mean").cpu()
-    loss, parts, acc = both[0], both[1 : 1 + len(keys)], both[1 + len(keys) :]
+    K = outputs[0].acceptance.numel()
+    # columns: present, weight, weight x (loss, parts...), acceptance (K)
+    table = torch.zeros(slots, 3 + len(keys) + K, dtype=torch.float64)
+    for i, o in enumerate(outputs):
+        w = 1.0 if o.weight is None else float(o.weight)
+        values = torch.tensor([float(o.loss.detach()), *(float(o.metrics[k]) for k in keys)], dtype=torch.float64)
+        table[i, :2] = torch.tensor([1.0, w], dtype=torch.float64)
+        table[i, 2 : 3 + len(keys)] = w * values
+        table[i, 3 + len(keys) :] = o.acceptance.detach().double().cpu()
+    table = accelerator.reduce(table.to(accelerator.device), reduction="sum").cpu()
+    table = table[table[:, 0] > 0]
+    # a micro-batch with no valid token anywhere has loss 0 on every process
+    means = (table[:, 2 : 3 + len(keys)] / table[:, 1:2].clamp(min=1e-30)).mean(0)
+    loss, parts = means[0], means[1:]
+    acc = (table[:, 3 + len(keys) :] / table[:, :1]).mean(0)  # (K,)
     record = {"loss": float(loss), **{k: float(v) for k, v in zip(keys, parts)}}
     record["acceptance"] = [float(a) for a in acc]
     record["tau"] = expected_tau(acc)
@@ -625,17 +650,31 @@ def train_step(run: Run, step: int) -> dict:
     rank, world = accelerator.process_index, accelerator.num_processes
     started = time.perf_counter()
     outputs, tokens = [], 0
+    row_log = os.environ.get("DSPARK_TRAIN_ROW_LOG")
     for a in range(cfg.grad_accum):
         micro = step * cfg.grad_accum + a
-        rows = run.order.rows_of(micro)
+        indices = run.order.indices_of(micro)
+        rows = [run.train_rows[i] for i in indices]
+        first = (micro * world + rank) * cfg.batch_size  # this process's first place in the global row order
         batch = make_batch(run.host, rows, taps=run.taps, device=run.device, pad_token_id=run.pad_token_id,
-                           autocast=run.autocast, generator=_generator(run.device, cfg.seed, micro, rank, world))
+                           autocast=run.autocast, anchor_seeds=_anchor_seeds(cfg.seed, range(first, first + len(rows))))
         tokens += sum(len(r.input_ids) for r in rows)
+        if row_log:
+            with open(Path(row_log) / f"rows-{rank}.jsonl", "a") as fh:
+                fh.write(json.dumps({"step": step + 1, "micro": micro, "rank": rank, "rows": indices}) + "\n")
         # why no_sync: gradients are all-reduced once per optimizer step, not per micro-batch
         with accelerator.no_sync(model) if a < cfg.grad_accum - 1 else nullcontext():
             with run.autocast():
                 out = model(batch)
-            accelerator.backward(out.loss / cfg.grad_accum)
+            loss = out.loss
+            if world > 1 and out.weight is not None:
+                # why: DDP averages the processes' gradients, weighing each process's mean alike; scaled by the
+                # process's share of the global normaliser, the average is the gradient of the global micro-batch's
+                # mean, which one process of batch N*B would take
+                total = float(accelerator.reduce(torch.tensor([out.weight], dtype=torch.float64, device=run.device),
+                                                 reduction="sum"))
+                loss = loss * (out.weight * world / total) if total > 0 else loss
+            accelerator.backward(loss / cfg.grad_accum)
         outputs.append(out)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable,
                                                cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
@@ -645,7 +684,7 @@ def train_step(run: Run, step: int) -> dict:
     run.optimizer.zero_grad(set_to_none=True)
     step += 1
     record = {"kind": "train", "step": step, "epoch": step * cfg.grad_accum / run.order.per_epoch,
-              **_summary(outputs, accelerator), "lr": lr, "grad_norm": float(grad_norm)}
+              **_summary(outputs, accelerator, slots=cfg.grad_accum), "lr": lr, "grad_norm": float(grad_norm)}
     seconds = time.perf_counter() - started
     record["tokens_per_s"] = tokens * world / seconds
     record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
@@ -732,14 +771,17 @@ def evaluate(host: Host, model, rows: list[TokenizedChat], *, cfg: TrainConfig, 
     mine = rows[rank::world] or rows  # fewer rows than processes: every process still reports a mean
     outputs = []
     for i in range(min(cfg.eval_batches, max(1, math.ceil(len(mine) / cfg.batch_size)))):
-        part = mine[i * cfg.batch_size : (i + 1) * cfg.batch_size] or mine[: cfg.batch_size]
+        start = i * cfg.batch_size if i * cfg.batch_size < len(mine) else 0
+        part = mine[start : start + cfg.batch_size]
+        # anchors keyed by the held-out row's index (rank + world * position in `mine`)
+        keys = range(rank + world * start, rank + world * (start + len(part)), world)
         batch = make_batch(host, part, taps=taps, device=accelerator.device, pad_token_id=pad_token_id,
-                           autocast=autocast, generator=_generator(accelerator.device, cfg.seed + 1, i, rank, world))
+                           autocast=autocast, anchor_seeds=_anchor_seeds(cfg.seed + 1, keys))
         with autocast():
             # why the unwrapped drafter: evaluation needs no gradient synchronisation
             outputs.append(accelerator.unwrap_model(model).drafter.training_loss(batch))
     model.train()
-    return _summary(outputs, accelerator)
+    return _summary(outputs, accelerator, slots=cfg.eval_batches)
 
 
 def main_train(argv: list[str] | None = None) -> Path:
