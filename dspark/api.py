@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dspark.engine.decode import GenerationResult
+from dspark.engine.results import GenerationResult
 from dspark.engine.decode import generate as decode_generate
 from dspark.engine.host import Host
 from dspark.engine.models import load_host, resolve_device, resolve_dtype  # noqa: F401 (public API)

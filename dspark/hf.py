@@ -62,7 +62,7 @@ from transformers.generation.utils import GenerationMixin
 
 from dspark.api import drafter_directory, resolve_drafter, resolve_verifier
 from dspark.engine import decode
-from dspark.engine.decode import RoundLog
+from dspark.engine.results import RoundLog
 from dspark.engine.host import Host
 from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, process, sample
 

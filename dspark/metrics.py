@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from dspark.engine.decode import GenerationResult
+from dspark.engine.results import GenerationResult
 
 
 def _ratio(a: float, b: float) -> float:

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from dspark.engine.decode import GenerationResult, generate
+from dspark.engine.decode import generate
+from dspark.engine.results import GenerationResult
 from dspark.engine.sampling import SamplingConfig
 from dspark.metrics import summarize
 

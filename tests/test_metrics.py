@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.cli import main
-from dspark.engine.decode import GenerationResult, RoundLog
+from dspark.engine.results import GenerationResult, RoundLog
 from dspark.metrics import paired_tau_ratio, summarize, tau_interval
 
 

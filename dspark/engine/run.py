@@ -1,8 +1,9 @@
-"""`dspark.decode.generate` on the slot engine: static batches or continuous batching, one GenerationResult."""
+"""`dspark.engine.decode.generate` on the slot engine: static batches or continuous batching, one GenerationResult."""
 from __future__ import annotations
 
 import time
 
+from dspark.engine.results import GenerationResult, RoundLog
 from dspark.engine.serve import Sink, serve
 from dspark.engine.slots import Request
 
@@ -10,8 +11,6 @@ from dspark.engine.slots import Request
 def run_slots(host, prompts, *, drafter, verifier, K, limits, sampling, seeds, stops, batch_size, concurrency, bar,
               on_tokens, graphs, timing):
     """Static batches of `batch_size` (each admitted at once) or, with `concurrency`, one continuous run."""
-    from dspark.engine.decode import GenerationResult, RoundLog
-
     n = len(prompts)
     requests = [Request(index=i, prompt=list(prompts[i]), limit=limits[i], seed=seeds[i]) for i in range(n)]
     sink = Sink(outputs=[[] for _ in range(n)], reasons=["length"] * n, latency=[0.0] * n, ttft=[0.0] * n,

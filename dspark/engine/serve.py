@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.graphs import round_runner
+from dspark.engine.results import RoundLog
 from dspark.engine.round import FINITE, N_ACCEPTED, PROPOSED, VERIFIED
 from dspark.engine.slots import Request, Slots
 
@@ -27,7 +28,7 @@ class Sink:
     reasons: list[str]
     latency: list[float]  # admission to last token
     ttft: list[float]  # admission to first token
-    log: object  # dspark.decode.RoundLog
+    log: RoundLog
     stops: set[int]
     on_tokens: object = None  # callable(index, ids) -> bool, or None
     bar: object = None  # tqdm or None
