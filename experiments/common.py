@@ -2,11 +2,10 @@
 backend, one result row per decode, and writing `NAME.json` / `NAME.md` / PNGs into an output directory.
 
 The decode backend is one function, `DECODE_BACKENDS[name](host, prompts, *, drafter, verifier, draft_length,
-concurrency, max_new_tokens, sampling, seed) -> GenerationResult`. Today the only one is "static-batch":
-`dspark.engine.decode.generate` with `batch_size = concurrency`, i.e. the prompts run in successive static batches of C
-(a batch's finished requests are not replaced, so the load falls inside a batch). It is NOT continuous batching;
-the closed-loop continuous-batching engine registers itself here under another name, and every row records which
-engine measured it (`"engine"`).
+concurrency, max_new_tokens, sampling, seed) -> GenerationResult`: "continuous" keeps C requests in flight on the
+slot engine (`generate(concurrency=C)`: a queued request enters as soon as one stops); "static-batch" runs the
+prompts in successive static batches of C (`batch_size = C`: a batch's finished requests are not replaced, so the
+load falls inside a batch). Every row records which engine measured it (`"engine"`).
 """
 from __future__ import annotations
 
@@ -157,13 +156,23 @@ def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths:
 # ---- the decode backend -----------------------------------------------------------------------------------------
 def static_batch_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
                         max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationResult:
-    """Static batches of `concurrency` requests through dspark.engine.decode.generate (not continuous batching)."""
+    """Static batches of `concurrency` requests through dspark.engine.decode.generate: each batch is admitted at once
+    and a request that stops early is not replaced (not continuous batching)."""
     return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=concurrency)
 
 
-#: engine name -> decode function; the continuous-batching engine adds itself here
-DECODE_BACKENDS: dict[str, Callable[..., GenerationResult]] = {"static-batch": static_batch_decode}
+def continuous_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
+                      max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationResult:
+    """Closed loop on the slot engine: `concurrency` requests in flight, a queued one entering as soon as one stops
+    (continuous batching, as serving benchmarks run with a maximum concurrency)."""
+    return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
+                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency)
+
+
+#: engine name -> decode function
+DECODE_BACKENDS: dict[str, Callable[..., GenerationResult]] = {"continuous": continuous_decode,
+                                                               "static-batch": static_batch_decode}
 
 
 def backend(name: str) -> Callable[..., GenerationResult]:

@@ -13,9 +13,10 @@ tokens_per_s, per_request_tokens_per_s, tau, speedup over plain at the same C, v
 verify budget per request, pareto), `break_even` (setting -> C or null), and concurrency.md / PNGs: tokens/s
 against C, the throughput / per-request speed curve (Pareto front marked) and the verify budget against load.
 
-Engine: rows say which decode backend measured them (experiments.common.DECODE_BACKENDS). "static-batch" runs the
-prompts in successive static batches of C (requests that finish early are not replaced), a stand-in until the
-closed-loop continuous-batching engine is registered. max(num_prompts, C) requests are decoded at each C.
+Engine: rows say which decode backend measured them (experiments.common.DECODE_BACKENDS). "continuous" (default)
+keeps C requests in flight on the slot engine, a queued request entering as soon as one stops; "static-batch" runs
+the prompts in successive static batches of C (requests that finish early are not replaced). max(num_prompts, C)
+requests are decoded at each C.
 Scheduler policies need an SPS(B) table: --cost-table, or one is profiled on this host first (OUT_DIR/cost.json).
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ class ConcurrencyOptions:
     threshold: float = field(default=0.5, metadata={"help": "survival threshold of the 'threshold' policy"})
     cost_table: Optional[str] = field(default=None, metadata={
         "help": "SPS(B) JSON from `dspark profile` for scheduler / lagged (default: profile this host now)"})
-    engine: str = field(default="static-batch", metadata={"help": "decode backend (experiments.common)"})
+    engine: str = field(default="continuous", metadata={
+        "help": "continuous (closed loop, C in flight) or static-batch (batches of C, no refill)"})
     data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
 
 
@@ -139,8 +141,9 @@ def render(doc: dict, out: Path) -> Section:
     engines = sorted({r["engine"] for r in rows})
     even = "\n".join(f"| {k} | {'never (still faster at the largest C)' if v is None else v} |"
                      for k, v in doc["break_even"].items())
-    text = (f"Engine: {', '.join(engines)}" + (" (static batches of C, not continuous batching)"
-                                               if "static-batch" in engines else "") + "\n\n" + table
+    described = {"continuous": "continuous (C requests in flight, closed loop)",
+                 "static-batch": "static-batch (static batches of C, not continuous batching)"}
+    text = (f"Engine: {', '.join(described.get(e, e) for e in engines)}" + "\n\n" + table
             + "\n\n**Break-even concurrency** (from this C on, no faster than plain decoding):\n\n"
               "| setting | C |\n|---|---|\n" + even + "\n")
     if doc.get("skipped"):

@@ -71,7 +71,7 @@ def test_concurrency_writes_rows_break_even_and_plots(concurrency_dir):
     for row in rows:
         assert {"method", "policy", "draft_length", "concurrency", "tokens_per_s", "per_request_tokens_per_s",
                 "tau", "engine"} <= set(row)
-        assert row["engine"] == "static-batch" and row["tokens_per_s"] > 0 and row["tau"] >= 1
+        assert row["engine"] == "continuous" and row["tokens_per_s"] > 0 and row["tau"] >= 1
     assert {r["method"] for r in rows} == {"plain", "ngram", "dspark"}
     assert all(r["tau"] == 1 and r["draft_length"] == 0 for r in rows if r["method"] == "plain")
     assert set(doc["break_even"]) == {"ngram/full/γ3", "ngram/scheduler/γ3", "dspark/full/γ3",
@@ -79,7 +79,7 @@ def test_concurrency_writes_rows_break_even_and_plots(concurrency_dir):
     assert all(v in (None, 1, 2) for v in doc["break_even"].values())
     names = {p.name for p in concurrency_dir.iterdir()}
     assert {"concurrency.md", "concurrency_throughput.png", "concurrency_pareto.png", "concurrency_budget.png"} <= names
-    assert "static batches of C, not continuous batching" in (concurrency_dir / "concurrency.md").read_text()
+    assert "Engine: continuous (C requests in flight" in (concurrency_dir / "concurrency.md").read_text()
 
 
 def test_concurrency_profiles_a_cost_table_when_none_is_given(tmp_path):
