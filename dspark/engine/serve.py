@@ -1,7 +1,7 @@
 """The continuous-batching driver: C slots, a queue of requests, rounds until every request has stopped.
 
-Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its one device-to-host
-copy, then on the CPU the commit of each live slot's new tokens (stops, budgets, streaming callbacks, the round
+Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its device-to-host copy
+(one; two when the verify width depends on device values, see round.drafts_to_verify), then on the CPU the commit of each live slot's new tokens (stops, budgets, streaming callbacks, the round
 log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
 its own prefill (batched with the other arrivals of that moment). Static-batch decoding is the case where every
 request is admitted at once (C = the number of requests).
@@ -75,10 +75,11 @@ class Sink:
 class EngineStats:
     rounds: int = 0
     admissions: int = 0  # prefill forwards (one per group of arrivals)
-    graphs: int = 0  # CUDA graphs captured
+    graphs: int = 0  # CUDA graphs captured (propose once, verify and accept per verify width used)
     warmup_s: float = 0.0  # warm-up and capture
     stage_s: dict = field(default_factory=dict)  # draft / verify / accept device seconds, bookkeeping wall seconds
     in_flight: list[int] = field(default_factory=list)  # requests in flight at each round
+    widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
 
 
 def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
@@ -88,20 +89,22 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
     slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling)
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
-    stats = EngineStats(graphs=runner.graphs, warmup_s=runner.warmup_s)
+    stats = EngineStats()
     queue = deque(requests)
     _fill(slots, queue, sink, stats)
     busy = 0.0
     while slots.in_flight():
         start = time.perf_counter()
-        packed, draft = runner()
-        packed = packed.cpu()  # the round's one device-to-host copy
+        packed, draft, L = runner()
+        packed = packed.cpu()  # the round's device-to-host copy (the only one when L was known on the CPU)
         stats.in_flight.append(slots.in_flight())
+        stats.widths.append(L + 1)
         done = _commit_round(slots, packed, draft, sink, stats.rounds, K)
         _finish(slots, done, sink)
         _fill(slots, queue, sink, stats)
         stats.rounds += 1
         busy += time.perf_counter() - start
+    stats.graphs, stats.warmup_s = runner.graphs, runner.warmup_s  # widths are captured as they are first used
     stats.stage_s = runner.timer.seconds()
     if stats.stage_s:
         stats.stage_s["bookkeeping"] = max(0.0, busy - sum(stats.stage_s.values()))
