@@ -6,7 +6,8 @@ orders; greedy, and sampled with the same seeds where the verifier decides each 
 request alone (the schedulers couple the batch: their lengths, hence the rounds that key draft noise, depend on the
 companions; greedy output does not). Also: the static batch is the all-at-once case, requests in flight stay at C
 while the queue lasts, the verify forward is as wide as the bucket of the widest verified row, and a round makes
-one device-to-host copy when that width is known on the CPU, two when it is read from the device.
+one device-to-host copy when that width is known on the CPU (verify-all of K or of a drafter's declared width,
+the lagged scheduler after its first two rounds), two when it is read from the device.
 
 Shapes: n requests, C slots, K draft positions.
 """
@@ -19,7 +20,7 @@ import torch
 
 from drafters import DRAFTERS
 from dspark.engine.decode import generate
-from dspark.engine.round import width_bucket
+from dspark.engine.round import COLUMNS, width_bucket
 from dspark.engine.sampling import SamplingConfig
 from tests.conftest import random_prompts
 from tests.test_decode import K, build_any, trained_dspark
@@ -117,14 +118,15 @@ def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
     assert out.batches > 1 and len(out.ttft) == 12 and all(t > 0 for t in out.ttft)
 
 
-@pytest.mark.parametrize("drafter_name, verifier_name, per_round", [
-    ("dspark-trained", "full", 1),  # verify-all of K drafts: the width is K, known on the CPU
-    ("mtp", "full", 1),  # MTP-1 declares width 1
-    ("ngram", "full", 2),  # lookup lengths live on the device: the longest is read before the forward
-    ("dspark-trained", "threshold", 2),
-    ("dspark-trained", "lagged", 2),  # its capacity is an argmax on the device, not known on the CPU either
-])
-def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, per_round):
+@pytest.mark.parametrize("drafter_name, verifier_name, width_reads_of", [
+    ("dspark-trained", "full", lambda rounds: 0),  # verify-all of K drafts: the width is K, known on the CPU
+    ("mtp", "full", lambda rounds: 0),  # MTP-1 declares width 1
+    ("ngram", "full", lambda rounds: rounds),  # lookup lengths live on the device: the longest is read first
+    ("dspark-trained", "threshold", lambda rounds: rounds),
+    # its capacity is decided a round ahead and rides in the round's copy; the first two rounds have no history
+    ("dspark-trained", "lagged", lambda rounds: 2),
+], ids=["full-K", "full-mtp", "full-ngram", "threshold", "lagged"])
+def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of):
     copies = []
     real = torch.Tensor.cpu
 
@@ -139,9 +141,9 @@ def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, v
     monkeypatch.setattr(torch.Tensor, "cpu", counting)
     out = generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)
     monkeypatch.undo()
-    round_copies = [c for c in copies if c == (3, K + 1 + 4)]
+    round_copies = [c for c in copies if c == (3, K + 1 + COLUMNS)]
     width_reads = [c for c in copies if c == ()]
-    assert len(round_copies) == out.rounds and len(width_reads) == (per_round - 1) * out.rounds
+    assert len(round_copies) == out.rounds > 2 and len(width_reads) == width_reads_of(out.rounds)
     # the rest: the admission's first tokens (one) and the confidences of the log, read once at the end
     assert len(copies) - len(round_copies) - len(width_reads) <= 2
 

@@ -66,6 +66,7 @@ class GraphRound:
             eager = propose(slots, drafter, verifier, K)
             self.draft = Draft(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(eager).items()})
         torch.cuda.synchronize()
+        verifier.begin(batch_size=slots.capacity)  # the idle warm-up rounds leave no history (lagged scheduler)
         self.widths: dict[int, tuple] = {}  # L -> (verify graph, accept graph, packed output, its input)
         self.graphs = 1 if self.whole else 0
         self.warmup_s = time.perf_counter() - start

@@ -26,7 +26,8 @@ from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample
 from dspark.engine.protocol import Proposal
 
 # columns of the packed round output after the K + 1 new tokens
-N_ACCEPTED, VERIFIED, PROPOSED, FINITE = range(4)
+N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH = range(5)
+COLUMNS = 5
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Draft:
     # the longest proposal as a Python int when known without a device read: K when the drafter proposes all K,
     # else its `Proposal.width` (MTP-1: 1); None = only the device knows (n-gram lookups)
     width: int | None = None
+    # 0-dim long: the verifier's bound on the next round's lengths (Verifier.next_width), -1 = none
+    next_width: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,8 +63,10 @@ def propose(slots, drafter, verifier, K: int) -> Draft:
     ell = verifier.lengths(seen, K).clamp(0, K) if K else torch.zeros_like(proposed)
     ell = torch.minimum(torch.minimum(ell, proposed), (slots.remaining - 1).clamp(min=0))  # never past the budget
     width = K if proposal.lengths is None else None if proposal.width is None else min(K, int(proposal.width))
+    ahead = verifier.next_width() if K else None
+    ahead = torch.full((), -1, device=ell.device) if ahead is None else ahead.long().clamp(0, K)
     return Draft(tokens=proposal.tokens, q=proposal.q, confidence=proposal.confidence, ell=ell, proposed=proposed,
-                 width=width)
+                 width=width, next_width=ahead)
 
 
 def width_bucket(L: int, K: int) -> int:
@@ -81,13 +86,16 @@ def width_bucket(L: int, K: int) -> int:
 def drafts_to_verify(slots, verifier, draft: Draft, K: int) -> int:
     """L for this round's verify forward: the bucket of the longest verified row, read on the CPU where possible.
 
-    Verify-all with a known `draft.width` (K, or a drafter's static maximum) needs no device read: every live row
-    verifies min(width, budget - 1), and the budgets are mirrored on the CPU. Otherwise (n-gram lengths, threshold
-    and scheduler lengths) the longest ell is read from the device: a second device-to-host copy this round, one
+    With a known `draft.width` (K, or a drafter's static maximum) no device read is needed for verify-all (every
+    live row verifies min(width, budget - 1); the budgets are mirrored on the CPU), nor for a verifier that bounded
+    this round's lengths in advance (the lagged scheduler's capacity, `slots.next_width`, read back with the
+    previous round's copy). Otherwise (n-gram lengths, threshold and scheduler lengths, the lagged scheduler's
+    first two rounds) the longest ell is read from the device: a second device-to-host copy this round, one
     integer, before the forward."""
-    if verifier.static_length and draft.width is not None:
+    ahead = None if verifier.static_length or slots.next_width < 0 else slots.next_width
+    if draft.width is not None and (verifier.static_length or ahead is not None):
         budget = max((slots.remaining_cpu[s] for s, r in enumerate(slots.request) if r is not None), default=1)
-        L = max(0, min(draft.width, budget - 1))
+        L = max(0, min(draft.width, budget - 1, K if ahead is None else ahead))
     else:
         L = int(draft.ell.max().cpu())  # the round's second device-to-host copy
     return width_bucket(L, K)
@@ -103,7 +111,7 @@ def verify(slots, host, draft: Draft, L: int, taps: tuple[int, ...], attend: int
 
 def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
     """Stages 4 and 5: acceptance, then the commit, at the verify forward's width L + 1; returns the packed
-    (C, K+1+4) long round output (the new tokens padded to K + 1, whatever L)."""
+    (C, K+1+COLUMNS) long round output (the new tokens padded to K + 1, whatever L)."""
     state, active, logits = slots.state, slots.active, verified.logits
     C, K, L = draft.tokens.shape[0], draft.tokens.shape[1], logits.shape[1] - 1
     tokens, q, ell = draft.tokens[:, :L], None if draft.q is None else draft.q[:, :L], draft.ell.clamp(max=L)
@@ -128,7 +136,8 @@ def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
-    return torch.cat([new, torch.stack([n_acc, ell, draft.proposed, finite.long()], dim=1)], dim=1)
+    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C)]  # in the order of COLUMNS
+    return torch.cat([new, torch.stack(columns, dim=1)], dim=1)
 
 
 def _finite(logits: torch.Tensor, q: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:

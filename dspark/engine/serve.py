@@ -16,7 +16,7 @@ import torch
 
 from dspark.engine.graphs import round_runner
 from dspark.engine.results import RoundLog
-from dspark.engine.round import FINITE, N_ACCEPTED, PROPOSED, VERIFIED
+from dspark.engine.round import FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, VERIFIED
 from dspark.engine.slots import Request, Slots
 
 
@@ -99,6 +99,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
         packed = packed.cpu()  # the round's device-to-host copy (the only one when L was known on the CPU)
         stats.in_flight.append(slots.in_flight())
         stats.widths.append(L + 1)
+        slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
         done = _commit_round(slots, packed, draft, sink, stats.rounds, K)
         _finish(slots, done, sink)
         _fill(slots, queue, sink, stats)
@@ -137,7 +138,7 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
 
 
 def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int) -> list[int]:
-    """Commit each live slot's tokens from the packed round output (C, K+1+4); returns the slots that stopped.
+    """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped.
 
     why plain Python lists here: per-element tensor indexing costs microseconds each, C of them per round, which
     on a GPU is the time of a whole captured round; the log's tensors are built once at the end (Sink.close)."""
