@@ -1,8 +1,8 @@
 """The continuous-batching driver: C slots, a queue of requests, rounds until every request has stopped.
 
 Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its device-to-host copy
-(one; two when the verify width depends on device values, see round.drafts_to_verify), then on the CPU the commit of each live slot's new tokens (stops, budgets, streaming callbacks, the round
-log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
+(one; two when the verify width depends on device values, see round.drafts_to_verify), then on the CPU the commit
+of each live slot's new tokens (stops, budgets, streaming callbacks, the round log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
 its own prefill (batched with the other arrivals of that moment). Static-batch decoding is the case where every
 request is admitted at once (C = the number of requests).
 """
