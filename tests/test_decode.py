@@ -199,8 +199,8 @@ def test_verify_all_forward_is_only_as_wide_as_the_proposals(name, tiny_host, tm
     out = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=12)
     assert out.token_ids == [greedy_reference(tiny_host, tuple(p), 12) for p in prompts]
     drafts = [w - 1 for w in widths[1:]]  # per round after the prefill: drafts per row in the verify forward
-    proposed = [int(p.max()) for p in out.log.proposed]  # per round, the longest proposal in the batch
-    verified = [int(v.max()) for v in out.log.verified]
+    proposed = [int(p.max()) for p in out.log.per_round("proposed")]  # per round, the longest proposal
+    verified = [int(v.max()) for v in out.log.per_round("verified")]
     assert len(drafts) == len(proposed) and all(v <= d <= p for d, p, v in zip(drafts, proposed, verified))
     assert sum(d < K for d in drafts) >= len(drafts) // 2  # the case in point: mostly fewer than K proposed
     if name.endswith("-no-width"):

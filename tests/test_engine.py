@@ -5,7 +5,9 @@ requests admitted at different rounds (fewer slots than requests, different leng
 orders; greedy, and sampled with the same seeds where the verifier decides each request's lengths from that
 request alone (the schedulers couple the batch: their lengths, hence the rounds that key draft noise, depend on the
 companions; greedy output does not). Also: the static batch is the all-at-once case, requests in flight stay at C
-while the queue lasts, and the round makes one device-to-host copy.
+while the queue lasts, the verify forward is as wide as the bucket of the widest verified row, and a round makes
+one device-to-host copy when that width is known on the CPU (verify-all of K or of a drafter's declared width,
+the lagged scheduler after its first two rounds), two when it is read from the device.
 
 Shapes: n requests, C slots, K draft positions.
 """
@@ -18,6 +20,7 @@ import torch
 
 from drafters import DRAFTERS
 from dspark.engine.decode import generate
+from dspark.engine.round import COLUMNS, width_bucket
 from dspark.engine.sampling import SamplingConfig
 from tests.conftest import random_prompts
 from tests.test_decode import K, build_any, trained_dspark
@@ -115,7 +118,15 @@ def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
     assert out.batches > 1 and len(out.ttft) == 12 and all(t > 0 for t in out.ttft)
 
 
-def test_one_device_to_host_copy_per_round(tiny_host, monkeypatch):
+@pytest.mark.parametrize("drafter_name, verifier_name, width_reads_of", [
+    ("dspark-trained", "full", lambda rounds: 0),  # verify-all of K drafts: the width is K, known on the CPU
+    ("mtp", "full", lambda rounds: 0),  # MTP-1 declares width 1
+    ("ngram", "full", lambda rounds: rounds),  # lookup lengths live on the device: the longest is read first
+    ("dspark-trained", "threshold", lambda rounds: rounds),
+    # its capacity is decided a round ahead and rides in the round's copy; the first two rounds have no history
+    ("dspark-trained", "lagged", lambda rounds: 2),
+], ids=["full-K", "full-mtp", "full-ngram", "threshold", "lagged"])
+def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of):
     copies = []
     real = torch.Tensor.cpu
 
@@ -124,15 +135,43 @@ def test_one_device_to_host_copy_per_round(tiny_host, monkeypatch):
         return real(self, *args, **kwargs)
 
     prompts = prompts_of(tiny_host)
-    drafter = trained_dspark(tiny_host)
-    out = generate(tiny_host, prompts[:3], drafter=drafter, draft_length=K, max_new_tokens=8)  # warm lazy inits
+    drafter = drafter_of(drafter_name, tiny_host)
+    kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=8)
+    generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)  # warm lazy inits
     monkeypatch.setattr(torch.Tensor, "cpu", counting)
-    out = generate(tiny_host, prompts[:3], drafter=drafter, draft_length=K, max_new_tokens=8)
+    out = generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)
     monkeypatch.undo()
-    round_copies = [c for c in copies if c == (3, K + 1 + 4)]
-    assert len(round_copies) == out.rounds
+    round_copies = [c for c in copies if c == (3, K + 1 + COLUMNS)]
+    width_reads = [c for c in copies if c == ()]
+    assert len(round_copies) == out.rounds > 2 and len(width_reads) == width_reads_of(out.rounds)
     # the rest: the admission's first tokens (one) and the confidences of the log, read once at the end
-    assert len(copies) - len(round_copies) <= 2
+    assert len(copies) - len(round_copies) - len(width_reads) <= 2
+
+
+def test_width_buckets():
+    assert [width_bucket(L, 4) for L in range(5)] == [0, 1, 2, 3, 4]  # every width up to 8
+    assert [width_bucket(L, 7) for L in range(8)] == list(range(8))
+    assert [width_bucket(L, 20) for L in (7, 8, 12, 15, 16, 20)] == [7, 15, 15, 15, 20, 20]  # then 16, K + 1
+
+
+@pytest.mark.parametrize("drafter_name, verifier_name", [("mtp", "full"), ("ngram", "full"),
+                                                         ("dspark-trained", "scheduler"),
+                                                         ("dspark-trained", "lagged")])
+def test_verify_forward_is_as_wide_as_the_widest_verified_row(tiny_host, monkeypatch, drafter_name, verifier_name):
+    """Per round, the host's verify forward runs bucket(max ell) + 1 tokens per slot, not K + 1."""
+    widths = []
+    step = tiny_host.step
+    monkeypatch.setattr(tiny_host, "step", lambda cache, tokens, *a, **kw: (widths.append(tokens.shape[1]),
+                                                                            step(cache, tokens, *a, **kw))[1])
+    drafter = drafter_of(drafter_name, tiny_host)
+    prompts = prompts_of(tiny_host)
+    out = generate(tiny_host, prompts, drafter=drafter, verifier=verifier_of(verifier_name), draft_length=K,
+                   max_new_tokens=LIMITS)  # one static batch: one prefill, then the rounds
+    verified = [int(v.max()) for v in out.log.per_round("verified")]
+    assert widths[1:] == out.engine["widths"] == [width_bucket(v, K) + 1 for v in verified]
+    assert min(widths[1:]) < K + 1  # the case in point: narrower than K + 1
+    want = [solo(tiny_host, drafter, verifier_of(verifier_name), p, n, 0, GREEDY) for p, n in zip(prompts, LIMITS)]
+    assert out.token_ids == want
 
 
 def test_bad_concurrency_is_refused(tiny_host):

@@ -132,7 +132,7 @@ def test_priced_tokens_are_the_tokens_the_decode_loop_runs(tiny_host, monkeypatc
     prompts = random_prompts([12, 20, 9], tiny_host.vocab_size)
     out = generate(tiny_host, prompts, drafter=NgramDrafter(), verifier=PrefixScheduler(steep()), draft_length=K,
                    max_new_tokens=16)
-    rounds, chosen = steps[1:], out.log.verified  # after the prefill; the lengths the loop verified per round
+    rounds, chosen = steps[1:], out.log.per_round("verified")  # after the prefill; the lengths verified per round
     assert len(rounds) == len(chosen) > 0
     ragged = 0
     for (R, T), ell in zip(rounds, chosen):

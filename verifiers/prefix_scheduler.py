@@ -175,6 +175,10 @@ class LaggedCapacityScheduler(Verifier):
         a_old, limit_old = self.history[0]
         return _theta(a_old, limit_old, self.cost).argmax()
 
+    def next_width(self) -> torch.Tensor | None:
+        """The next round's capacity: the oldest stored round is the one the next lengths() will search."""
+        return self.capacity() if len(self.history) == self.lag else None
+
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         a = survival(calibrated_confidence(proposal, K, self.calibrator))  # (R, K)
         if len(self.history) < self.lag:

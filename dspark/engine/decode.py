@@ -62,9 +62,10 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     `on_tokens(i, new_ids)` is called as tokens of request i are committed (for streaming); when it returns True,
     request i finishes there (reason "stop"), which is how external stopping rules plug in.
 
-    engine "slots" is the slot engine (dspark.engine: fixed shapes, one device-to-host copy per round, CUDA graphs
-    on CUDA unless graphs=False; timing splits its rounds' device time by stage); "eager" is the reference loop
-    below, the oracle the engine is tested against.
+    engine "slots" is the slot engine (dspark.engine: fixed shapes, a few verify widths, one device-to-host copy
+    per round, two when the verify width depends on device values; CUDA graphs on CUDA unless graphs=False; timing
+    splits its rounds' device time by stage); "eager" is the reference loop below, the oracle the engine is tested
+    against.
     """
     if engine not in ("slots", "eager"):
         raise ValueError(f"engine must be 'slots' or 'eager', got {engine!r}")

@@ -1,18 +1,23 @@
-"""Round runners: the three stages of dspark.engine.round run eagerly, or captured once as CUDA graphs and replayed.
+"""Round runners: the three stages of dspark.engine.round run eagerly, or captured as CUDA graphs and replayed.
 
-On CUDA the verify and accept stages are always captured; the propose stage too when the drafter and the verifier
-are tensor-only (`capturable`), else it runs eagerly and its output is copied into the captured graphs' inputs.
-Capture happens while every slot is idle, so the warm-up rounds commit nothing. The graphs share one memory pool
-and are replayed in capture order. With `timing`, CUDA events between the stages split each round's device time
-into draft / verify / accept (read once at the end, no sync per round).
+On CUDA the verify and accept stages are always captured, one pair per verify width (`width_bucket`), each
+captured lazily the first time a round needs that width; the propose stage too (once, at the start, while every
+slot is idle) when the drafter and the verifier are tensor-only (`capturable`), else it runs eagerly and its output
+is copied into the captured graphs' inputs. A width captured mid-run is warmed up and captured with every slot
+paused (`active` cleared for the capture): paused slots commit nothing, exactly as idle ones, and what the warm-up
+writes past a slot's committed end (host and drafter cache rows, seq) is rewritten by the real round before
+anything reads it. The graphs share one memory pool; every graph's outputs stay referenced and a round replays
+its graphs one after another, so their temporaries never overlap. With `timing`, CUDA events between the stages
+split each round's device time into draft / verify / accept (read once at the end, no sync per round).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-from dspark.engine.round import Draft, accept, propose, verify
+from dspark.engine.round import Draft, accept, drafts_to_verify, propose, verify
 
 
 class EagerRound:
@@ -25,68 +30,98 @@ class EagerRound:
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
         self.timer = StageTimer(timing and host.device.type == "cuda")
 
-    def __call__(self) -> tuple[torch.Tensor, Draft]:
+    def __call__(self) -> tuple[torch.Tensor, Draft, int]:
+        """One round: (packed output, draft, L the drafts per row of its verify forward)."""
         self.timer.mark()
         draft = propose(self.slots, self.drafter, self.verifier, self.K)
+        L = drafts_to_verify(self.slots, self.verifier, draft, self.K)
         self.timer.mark()
-        attend = max(self.slots.cache_len) + self.K + 1
-        verified = verify(self.slots, self.host, draft, self.drafter.feature_layers, attend)
+        attend = max(self.slots.cache_len) + L + 1
+        verified = verify(self.slots, self.host, draft, L, self.drafter.feature_layers, attend)
         self.timer.mark()
         out = accept(self.slots, self.drafter, draft, verified)
         self.timer.mark()
-        return out, draft
+        return out, draft, L
 
 
 class GraphRound:
-    """The stages captured as CUDA graphs (one set per slot count C and draft length K)."""
+    """The stages captured as CUDA graphs: propose once (or eager), verify and accept once per width bucket L."""
 
     def __init__(self, slots, host, drafter, verifier, K: int, *, timing: bool = False, warmup: int = 2) -> None:
         if slots.in_flight():
             raise RuntimeError("capture the round while every slot is idle (warm-up rounds must commit nothing)")
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
-        self.timer = StageTimer(timing)
+        self.timer, self.warmup = StageTimer(timing), warmup
         self.whole = drafter.capturable and getattr(verifier, "capturable", False)
-        taps = drafter.feature_layers
         start = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # why a side stream: kernels' lazy init stays out of the captured streams
+        with _side_stream():  # why a side stream: kernels' lazy init stays out of the captured streams
             for _ in range(warmup):
-                draft = propose(slots, drafter, verifier, K)
-                accept(slots, drafter, draft, verify(slots, host, draft, taps, None))
-        torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
+                propose(slots, drafter, verifier, K)
+        self.pool = torch.cuda.graph_pool_handle()
         self.g_propose = torch.cuda.CUDAGraph() if self.whole else None
-        if self.whole:
-            with torch.cuda.graph(self.g_propose, pool=pool):
+        if self.whole:  # a capturable drafter has no Python branching on values: its `width` is the same every round
+            with torch.cuda.graph(self.g_propose, pool=self.pool):
                 self.draft = propose(slots, drafter, verifier, K)
         else:  # static input buffers filled from the eager propose each round
             eager = propose(slots, drafter, verifier, K)
-            self.draft = Draft(**{k: None if v is None else v.clone() for k, v in vars(eager).items()})
-        self.g_verify, self.g_accept = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.g_verify, pool=pool):
-            self.verified = verify(slots, host, self.draft, taps, None)
-        with torch.cuda.graph(self.g_accept, pool=pool):
-            self.out = accept(slots, drafter, self.draft, self.verified)
+            self.draft = Draft(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(eager).items()})
         torch.cuda.synchronize()
-        self.graphs = 3 if self.whole else 2
+        verifier.begin(batch_size=slots.capacity)  # the idle warm-up rounds leave no history (lagged scheduler)
+        self.widths: dict[int, tuple] = {}  # L -> (verify graph, accept graph, packed output, its input)
+        self.graphs = 1 if self.whole else 0
         self.warmup_s = time.perf_counter() - start
 
-    def __call__(self) -> tuple[torch.Tensor, Draft]:
+    def __call__(self) -> tuple[torch.Tensor, Draft, int]:
         self.timer.mark()
         if self.whole:
             self.g_propose.replay()
         else:
             fresh = propose(self.slots, self.drafter, self.verifier, self.K)
             for name, buffer in vars(self.draft).items():
-                if buffer is not None:
+                if isinstance(buffer, torch.Tensor):
                     buffer.copy_(getattr(fresh, name))
+            self.draft.width = fresh.width
+        L = drafts_to_verify(self.slots, self.verifier, self.draft, self.K)
+        if L not in self.widths:
+            self._capture(L)
+        g_verify, g_accept, out, _ = self.widths[L]
         self.timer.mark()
-        self.g_verify.replay()
+        g_verify.replay()
         self.timer.mark()
-        self.g_accept.replay()
+        g_accept.replay()
         self.timer.mark()
-        return self.out, self.draft
+        return out, self.draft, L
+
+    def _capture(self, L: int) -> None:
+        """Warm up and capture verify and accept at L drafts per row, every slot paused (they commit nothing)."""
+        start, slots, taps = time.perf_counter(), self.slots, self.drafter.feature_layers
+        active = slots.active.clone()
+        slots.active.zero_()
+        try:
+            with _side_stream():
+                for _ in range(self.warmup):
+                    accept(slots, self.drafter, self.draft, verify(slots, self.host, self.draft, L, taps, None))
+            g_verify, g_accept = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_verify, pool=self.pool):
+                verified = verify(slots, self.host, self.draft, L, taps, None)
+            with torch.cuda.graph(g_accept, pool=self.pool):
+                out = accept(slots, self.drafter, self.draft, verified)
+        finally:
+            slots.active.copy_(active)
+        torch.cuda.synchronize()
+        self.widths[L] = (g_verify, g_accept, out, verified)  # verified: kept alive, the accept graph reads it
+        self.graphs += 2
+        self.warmup_s += time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _side_stream():
+    """Run a block on a fresh side stream, ordered after and before the current stream's work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
 
 
 class StageTimer:

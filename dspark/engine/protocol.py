@@ -127,6 +127,12 @@ class Verifier:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows of any per-request state."""
 
+    def next_width(self) -> torch.Tensor | None:
+        """A bound on every length the next call of lengths() will return, as a 0-dim long tensor, when it is
+        decided already (a lagged policy); None = not known. The slot engine reads it back with this round's
+        copy, so the next round's verify width needs no device read of its own."""
+        return None
+
 
 class VerifyAll(Verifier):
     """ell_b = K, or the drafter's own `proposal.lengths` when it proposed fewer. Trivially lossless."""

@@ -26,6 +26,11 @@ class RoundLog:
         parts = getattr(self, name)
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
+    def per_round(self, name: str) -> list[torch.Tensor]:
+        """One integer column split into rounds, (batch[i],) each, whether it was logged per round (the eager
+        loop) or as one tensor at the end (the slot engine)."""
+        return list(self.column(name).split(self.batch))
+
     def confidences(self) -> torch.Tensor | None:
         """(N, K) confidences of every row, or None when the drafter gave none."""
         if not self.confidence or any(c is None for c in self.confidence):

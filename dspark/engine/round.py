@@ -1,15 +1,19 @@
-"""One round of the slot engine, in three stages over all C slots (static shapes, no host syncs):
+"""One round of the slot engine, in three stages over all C slots (static shapes, no host syncs in a stage):
 
   propose  the drafter drafts K tokens per slot, the verifier picks how many of them to verify (ell)
-  verify   the host runs [x0, x1..xK] of every slot in one forward (always K + 1 wide: ell masks the rest)
+  verify   the host runs [x0, x1..xL] of every slot in one forward, L + 1 wide (ell masks the rest of a row)
   accept   acceptance on the device, then the commit: seq, the host cache, the drafter's state, the counters
 
-Shapes: C slots, K draft positions, V vocabulary, F host features.
+Shapes: C slots, K draft positions, L drafts per row in the verify forward (a bucket, `width_bucket`), V
+vocabulary, F host features.
 
-The stages are the eager loop's steps (dspark.decode) written for fixed shapes: idle slots propose nothing, verify
-nothing and commit nothing, and the verify forward is K + 1 wide whatever ell is, so the three can be captured as
-CUDA graphs (dspark.engine.graphs) and replayed. What the CPU needs from a round (new tokens, counts, the finite
-flags) is packed into one tensor: the round's only device-to-host copy.
+The stages are the eager loop's steps (dspark.engine.decode) written for fixed shapes: idle slots propose nothing,
+verify nothing and commit nothing. Between propose and verify the CPU picks L (`drafts_to_verify`): the longest
+verified row, rounded up to a bucket, so the forward is only as wide as what is verified (a scheduler's shorter
+lengths save host compute, as they do in the eager loop) while shapes stay few: verify and accept run at one of a
+few widths, each captured once as a CUDA graph (dspark.engine.graphs) and replayed. What the CPU needs from a round
+(new tokens, counts, the finite flags) is packed into one tensor, the round's device-to-host copy; picking L needs
+a second, one integer, only when it depends on device values (see `drafts_to_verify`).
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample
 from dspark.engine.protocol import Proposal
 
 # columns of the packed round output after the K + 1 new tokens
-N_ACCEPTED, VERIFIED, PROPOSED, FINITE = range(4)
+N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH = range(5)
+COLUMNS = 5
 
 
 @dataclass
@@ -34,12 +39,17 @@ class Draft:
     confidence: torch.Tensor | None  # (C, K)
     ell: torch.Tensor  # (C,) drafts to verify (0 on idle slots)
     proposed: torch.Tensor  # (C,) drafts offered (0 on idle slots)
+    # the longest proposal as a Python int when known without a device read: K when the drafter proposes all K,
+    # else its `Proposal.width` (MTP-1: 1); None = only the device knows (n-gram lookups)
+    width: int | None = None
+    # 0-dim long: the verifier's bound on the next round's lengths (Verifier.next_width), -1 = none
+    next_width: torch.Tensor | None = None
 
 
 @dataclass
 class Verified:
-    logits: torch.Tensor  # (C, K+1, V) float32
-    features: torch.Tensor | None  # (C, K+1, F)
+    logits: torch.Tensor  # (C, L+1, V) float32
+    features: torch.Tensor | None  # (C, L+1, F)
 
 
 def propose(slots, drafter, verifier, K: int) -> Draft:
@@ -52,50 +62,90 @@ def propose(slots, drafter, verifier, K: int) -> Draft:
     seen = Proposal(tokens=proposal.tokens, q=proposal.q, confidence=proposal.confidence, lengths=proposed)
     ell = verifier.lengths(seen, K).clamp(0, K) if K else torch.zeros_like(proposed)
     ell = torch.minimum(torch.minimum(ell, proposed), (slots.remaining - 1).clamp(min=0))  # never past the budget
-    return Draft(tokens=proposal.tokens, q=proposal.q, confidence=proposal.confidence, ell=ell, proposed=proposed)
+    width = K if proposal.lengths is None else None if proposal.width is None else min(K, int(proposal.width))
+    ahead = verifier.next_width() if K else None
+    ahead = torch.full((), -1, device=ell.device) if ahead is None else ahead.long().clamp(0, K)
+    return Draft(tokens=proposal.tokens, q=proposal.q, confidence=proposal.confidence, ell=ell, proposed=proposed,
+                 width=width, next_width=ahead)
 
 
-def verify(slots, host, draft: Draft, taps: tuple[int, ...], attend: int | None) -> Verified:
-    """Stage 3: one host forward of every slot's anchor and drafts. attend None = the whole cache (graphs)."""
-    inputs = torch.cat([slots.state.anchor.unsqueeze(1), draft.tokens], dim=1)  # (C, K+1)
-    out = host.step(slots.cache, inputs, draft.ell + 1, taps=taps, attend=attend)
+def width_bucket(L: int, K: int) -> int:
+    """The drafts per row (bucket) of a verify forward that must hold L drafts: the forward width L + 1 rounded up
+    to every width up to 8, then powers of two, capped at K + 1.
+
+    why these buckets: each width is one more pair of captured graphs (capture time and graph memory on a GPU), so
+    widths must stay few; up to 8 wide (K <= 7, the default K = 7 included) there are few enough to keep every
+    one, so the forward is exactly as wide as the scheduler priced it (verify_tokens: R·(L + 1)); past 8, padding a
+    row by at most 2x costs less than a graph per width. (The eager loop, with no graphs, runs L + 1 exactly.)"""
+    W = L + 1
+    if W > 8:
+        W = 1 << (W - 1).bit_length()
+    return min(W, K + 1) - 1
+
+
+def drafts_to_verify(slots, verifier, draft: Draft, K: int) -> int:
+    """L for this round's verify forward: the bucket of the longest verified row, read on the CPU where possible.
+
+    With a known `draft.width` (K, or a drafter's static maximum) no device read is needed for verify-all (every
+    live row verifies min(width, budget - 1); the budgets are mirrored on the CPU), nor for a verifier that bounded
+    this round's lengths in advance (the lagged scheduler's capacity, `slots.next_width`, read back with the
+    previous round's copy). Otherwise (n-gram lengths, threshold and scheduler lengths, the lagged scheduler's
+    first two rounds) the longest ell is read from the device: a second device-to-host copy this round, one
+    integer, before the forward."""
+    ahead = None if verifier.static_length or slots.next_width < 0 else slots.next_width
+    if draft.width is not None and (verifier.static_length or ahead is not None):
+        budget = max((slots.remaining_cpu[s] for s, r in enumerate(slots.request) if r is not None), default=1)
+        L = max(0, min(draft.width, budget - 1, K if ahead is None else ahead))
+    else:
+        L = int(draft.ell.max().cpu())  # the round's second device-to-host copy
+    return width_bucket(L, K)
+
+
+def verify(slots, host, draft: Draft, L: int, taps: tuple[int, ...], attend: int | None) -> Verified:
+    """Stage 3: one host forward of every slot's anchor and first L drafts. attend None = the whole cache (graphs).
+    L >= every ell (drafts_to_verify); the clamp only guards a drafter whose `width` understated its lengths."""
+    inputs = torch.cat([slots.state.anchor.unsqueeze(1), draft.tokens[:, :L]], dim=1)  # (C, L+1)
+    out = host.step(slots.cache, inputs, draft.ell.clamp(max=L) + 1, taps=taps, attend=attend)
     return Verified(logits=host.logits(out.hidden), features=out.features)
 
 
 def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
-    """Stages 4 and 5: acceptance, then the commit; returns the packed (C, K+1+4) long round output."""
+    """Stages 4 and 5: acceptance, then the commit, at the verify forward's width L + 1; returns the packed
+    (C, K+1+COLUMNS) long round output (the new tokens padded to K + 1, whatever L)."""
     state, active, logits = slots.state, slots.active, verified.logits
-    tokens, ell, K = draft.tokens, draft.ell, draft.tokens.shape[1]
-    finite = _finite(logits, draft)
+    C, K, L = draft.tokens.shape[0], draft.tokens.shape[1], logits.shape[1] - 1
+    tokens, q, ell = draft.tokens[:, :L], None if draft.q is None else draft.q[:, :L], draft.ell.clamp(max=L)
+    finite = _finite(logits, q, draft.confidence)
     anchor_pos = state.seq_len - 1  # (C,)
-    positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(K + 1, device=ell.device)  # (C, K+1)
+    positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=ell.device)  # (C, L+1)
     if state.sampling.greedy:
         acc = greedy_accept(logits.argmax(-1), tokens, ell)
         nxt = acc.next_token
     else:
-        p = process(logits, state.sampling)  # (C, K+1, V)
-        u = uniform(state.seeds, positions[:, :K], STREAM_ACCEPT)  # (C, K)
-        acc = rejection_sample(p, draft.q, tokens, ell, u)
+        p = process(logits, state.sampling)  # (C, L+1, V)
+        u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (C, L)
+        acc = rejection_sample(p, q, tokens, ell, u)
         nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
     n_acc = acc.n_accepted * active
-    new = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], 1)], dim=1).scatter_(1, n_acc.unsqueeze(1),
-                                                                                      nxt.unsqueeze(1))
-    state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new)  # idle slots: past their end, unread
+    new = torch.cat([tokens, tokens.new_zeros(C, K + 1 - L)], dim=1).scatter_(1, n_acc.unsqueeze(1),
+                                                                               nxt.unsqueeze(1))  # (C, K+1)
+    state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
     step = (n_acc + 1) * active  # (C,) tokens committed: the accepted drafts and the next token
     slots.cache.advance(step)
     drafter.observe(features=verified.features, start=anchor_pos, n_valid=step, state=state)
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
-    return torch.cat([new, torch.stack([n_acc, ell, draft.proposed, finite.long()], dim=1)], dim=1)
+    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C)]  # in the order of COLUMNS
+    return torch.cat([new, torch.stack(columns, dim=1)], dim=1)
 
 
-def _finite(logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+def _finite(logits: torch.Tensor, q: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:
     """(C,) host logits, draft distributions and confidences all usable (NaN or c outside [0, 1] are not)."""
     finite = torch.isfinite(logits).flatten(1).all(1)
-    if draft.q is not None:
-        finite = finite & torch.isfinite(draft.q).flatten(1).all(1)
-    if draft.confidence is not None:  # NaN (or outside [0, 1]) would silently steer the verifier
-        c = draft.confidence
+    if q is not None:
+        finite = finite & torch.isfinite(q).flatten(1).all(1)
+    if confidence is not None:  # NaN (or outside [0, 1]) would silently steer the verifier
+        c = confidence
         finite = finite & ((c >= 0) & (c <= 1)).all(1)  # NaN fails both comparisons
     return finite

@@ -1,8 +1,8 @@
 """The continuous-batching driver: C slots, a queue of requests, rounds until every request has stopped.
 
-Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its one device-to-host
-copy, then on the CPU the commit of each live slot's new tokens (stops, budgets, streaming callbacks, the round
-log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
+Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its device-to-host copy
+(one; two when the verify width depends on device values, see round.drafts_to_verify), then on the CPU the commit
+of each live slot's new tokens (stops, budgets, streaming callbacks, the round log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
 its own prefill (batched with the other arrivals of that moment). Static-batch decoding is the case where every
 request is admitted at once (C = the number of requests).
 """
@@ -16,7 +16,7 @@ import torch
 
 from dspark.engine.graphs import round_runner
 from dspark.engine.results import RoundLog
-from dspark.engine.round import FINITE, N_ACCEPTED, PROPOSED, VERIFIED
+from dspark.engine.round import FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, VERIFIED
 from dspark.engine.slots import Request, Slots
 
 
@@ -75,10 +75,11 @@ class Sink:
 class EngineStats:
     rounds: int = 0
     admissions: int = 0  # prefill forwards (one per group of arrivals)
-    graphs: int = 0  # CUDA graphs captured
+    graphs: int = 0  # CUDA graphs captured (propose once, verify and accept per verify width used)
     warmup_s: float = 0.0  # warm-up and capture
     stage_s: dict = field(default_factory=dict)  # draft / verify / accept device seconds, bookkeeping wall seconds
     in_flight: list[int] = field(default_factory=list)  # requests in flight at each round
+    widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
 
 
 def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
@@ -88,20 +89,23 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
     slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling)
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
-    stats = EngineStats(graphs=runner.graphs, warmup_s=runner.warmup_s)
+    stats = EngineStats()
     queue = deque(requests)
     _fill(slots, queue, sink, stats)
     busy = 0.0
     while slots.in_flight():
         start = time.perf_counter()
-        packed, draft = runner()
-        packed = packed.cpu()  # the round's one device-to-host copy
+        packed, draft, L = runner()
+        packed = packed.cpu()  # the round's device-to-host copy (the only one when L was known on the CPU)
         stats.in_flight.append(slots.in_flight())
+        stats.widths.append(L + 1)
+        slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
         done = _commit_round(slots, packed, draft, sink, stats.rounds, K)
         _finish(slots, done, sink)
         _fill(slots, queue, sink, stats)
         stats.rounds += 1
         busy += time.perf_counter() - start
+    stats.graphs, stats.warmup_s = runner.graphs, runner.warmup_s  # widths are captured as they are first used
     stats.stage_s = runner.timer.seconds()
     if stats.stage_s:
         stats.stage_s["bookkeeping"] = max(0.0, busy - sum(stats.stage_s.values()))
@@ -134,7 +138,7 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
 
 
 def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int) -> list[int]:
-    """Commit each live slot's tokens from the packed round output (C, K+1+4); returns the slots that stopped.
+    """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped.
 
     why plain Python lists here: per-element tensor indexing costs microseconds each, C of them per round, which
     on a GPU is the time of a whole captured round; the log's tensors are built once at the end (Sink.close)."""

@@ -76,6 +76,7 @@ class Slots:
         self.remaining_cpu = [0] * C
         self.cache_len = [0] * C  # host cache lengths, for the eager attention window
         self.rounds_cpu = [0] * C
+        self.next_width = -1  # the verifier's bound on this round's lengths, from the last round's copy; -1 = none
         self.busy = 0  # requests in flight
 
     def free(self) -> list[int]:
