@@ -76,14 +76,17 @@ class SmallLMDrafter(Drafter):
     def propose(self, state: DraftState, K: int) -> Proposal:
         B = state.seq.shape[0]
         cache, device = self.cache, state.seq.device
-        pending = state.seq_len - cache.lengths  # (B,) >= 1: committed tokens not fed yet, the anchor last
+        pending = state.seq_len - cache.lengths  # (B,) committed tokens not fed yet, the anchor last
         # why one sync: the ragged step's width and attention window are Python ints (eager shapes); after the
-        # first round pending is 1 or 2
-        width, end = (int(x) for x in torch.stack([pending.max(), state.seq_len.max()]).cpu())
+        # first round pending is 1 or 2 for a live request. An idle slot of the slot engine can have 0 (the engine's
+        # warm-up proposes for idle slots): width >= 1 and the clamped gather below keep its row's shapes valid,
+        # and what it drafts is never verified
+        width, end = (int(x) for x in torch.stack([pending.max().clamp(min=1), state.seq_len.max()]).cpu())
         offsets = torch.arange(width, device=device)
         index = (cache.lengths.unsqueeze(1) + offsets).clamp(max=state.seq.shape[1] - 1)  # (B, width)
         out = self.lm.step(cache, state.seq.gather(1, index), pending, attend=end)
-        h = out.hidden.gather(1, (pending - 1).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1]))[:, 0]  # (B, H)
+        last = (pending - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1])
+        h = out.hidden.gather(1, last)[:, 0]  # (B, H)
         cache.advance(pending)  # every committed token is fed now
         committed = cache.lengths.clone()  # (B,)
         ones = torch.ones(B, dtype=torch.long, device=device)
