@@ -172,3 +172,19 @@ def test_packaged_drafter_of_another_vocabulary_is_refused(qwen2_host, tmp_path,
     with pytest.raises(ValueError, match=r"small-LM drafter vocabulary \(96 tokens\) differs from the host's "
                                          r"\(128 tokens\)"):
         resolve_drafter(qwen2_host, "small-lm", drafter_path="qwen2.5-coder-0.5b")
+
+
+def test_a_slot_with_nothing_pending_proposes_again_without_error(tiny_host, small):
+    """The slot engine's CUDA-graph runner warms up by proposing for idle slots, twice, with no commit between: the
+    second call finds every committed token already fed (0 pending). That must keep valid shapes (it crashed the
+    H200 graph run before)."""
+    prompts = random_prompts([6, 9], tiny_host.vocab_size, seed=8)
+    W = 32
+    seq = torch.zeros(2, W, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        seq[b, : len(p)] = torch.tensor(p)
+    state = DraftState(seq=seq, seq_len=torch.tensor([len(p) for p in prompts]), seeds=torch.tensor([1, 2]),
+                       rounds=torch.zeros(2, dtype=torch.long), sampling=SamplingConfig())
+    first = fresh_proposal(small, tiny_host, state, K)
+    again = small.propose(state, K)  # nothing committed since: 0 pending tokens in every row
+    assert again.tokens.shape == first.tokens.shape
