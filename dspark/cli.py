@@ -591,7 +591,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     plugins = plugin_commands()
     if command not in COMMANDS and command not in plugins:
-        print(f"dspark: unknown command {command!r}; commands: {', '.join([*COMMANDS, *plugins])}", file=sys.stderr)
+        hint = ("; the experiment commands register at install time (pip install -e .), or run `python -m "
+                "experiments` from the repository" if command in ("experiment", "report") else "")
+        print(f"dspark: unknown command {command!r}; commands: {', '.join([*COMMANDS, *plugins])}{hint}",
+              file=sys.stderr)
         return 2
     from dspark.engine.runtime import tune_cpu_allocator
 

@@ -1,7 +1,9 @@
 """Experiment runners, one module per question; `dspark experiment NAME ...` runs `experiments.NAME.main`.
 
-The package never imports this one at import time: `dspark/cli.py` reaches it through a lazy import at the CLI
-edge only. experiments/README.md lists each runner, its command and what it writes.
+The package never imports this one: `dspark experiment` and `dspark report` reach it through the `dspark.commands`
+entry points that pyproject.toml registers (an installed checkout); without an install (e.g. a copied tree on a GPU
+machine), `python -m experiments NAME ...` and `python -m experiments report DIR` do the same. experiments/README.md
+lists each runner, its command and what it writes.
 """
 from __future__ import annotations
 

@@ -282,3 +282,20 @@ def test_the_package_imports_experiments_only_when_a_command_needs_them():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_commands_without_an_install(tmp_path):
+    """Where dspark is not pip-installed (no `dspark.commands` entry points, e.g. a tree copied to a GPU machine),
+    `python -m experiments` runs the same commands, and `dspark experiment` says how to get them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "experiments", "report", str(tmp_path)], cwd=root,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "holds no experiment results" in done.stderr + done.stdout
+    from unittest import mock
+
+    with mock.patch("dspark.cli.plugin_commands", return_value={}):
+        assert cli(["experiment", "concurrency"]) == 2
