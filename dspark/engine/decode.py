@@ -14,6 +14,7 @@ batch companions (up to float reassociation in batched kernels).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -22,7 +23,18 @@ from tqdm.auto import tqdm
 from dspark.engine.acceptance import greedy_accept, rejection_sample
 from dspark.engine.protocol import DraftState, Drafter, NoDrafter, Proposal, VerifyAll
 from dspark.engine.results import GenerationResult, RoundLog
+from dspark.engine.run import run_slots
 from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, check_finite, process, sample, uniform
+
+
+def _check_engine(engine: str, concurrency: int | None) -> None:
+    if engine not in ("slots", "eager"):
+        raise ValueError(f"engine must be 'slots' or 'eager', got {engine!r}")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+    if concurrency is not None and engine == "eager":
+        raise ValueError("continuous batching (concurrency) needs engine='slots'")
 
 
 def _per_request(value, n: int, what: str) -> list:
@@ -67,13 +79,7 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     splits its rounds' device time by stage); "eager" is the reference loop below, the oracle the engine is tested
     against.
     """
-    if engine not in ("slots", "eager"):
-        raise ValueError(f"engine must be 'slots' or 'eager', got {engine!r}")
-    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
-                                    or concurrency < 1):
-        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-    if concurrency is not None and engine == "eager":
-        raise ValueError("continuous batching (concurrency) needs engine='slots'")
+    _check_engine(engine, concurrency)
     n = len(prompts)
     limits = _per_request(max_new_tokens, n, "max_new_tokens")
     validate_prompts(host, prompts, limits)
@@ -92,40 +98,71 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    reasons = ["length"] * n
-    latency = [0.0] * n
-    log = RoundLog()
-    rounds = 0
     bar = tqdm(total=sum(limits), desc="decode", unit="tok", disable=not progress)
-    start_time = time.perf_counter()
     if engine == "slots":
-        from dspark.engine.run import run_slots
-
         return run_slots(host, prompts, drafter=drafter, verifier=verifier, K=K, limits=limits, sampling=sampling,
                          seeds=seeds, stops=stops, batch_size=batch_size, concurrency=concurrency, bar=bar,
                          on_tokens=on_tokens, graphs=graphs, timing=timing)
+    sink = _Sink(outputs=[[] for _ in range(n)], reasons=["length"] * n, latency=[0.0] * n, log=RoundLog(),
+                 stops=stops, bar=bar, on_tokens=on_tokens, t0=time.perf_counter())
+    rounds = 0
     for lo in range(0, n, batch_size):
         ids = list(range(lo, min(n, lo + batch_size)))
         rounds += _decode_batch(host, [list(prompts[i]) for i in ids], ids, drafter=drafter, verifier=verifier,
                                 K=K, limits=[limits[i] for i in ids], sampling=sampling,
-                                seeds=[seeds[i] for i in ids], stops=stops, outputs=outputs, reasons=reasons,
-                                log=log, bar=bar, on_tokens=on_tokens, latency=latency, t0=start_time)
-    seconds = time.perf_counter() - start_time
+                                seeds=[seeds[i] for i in ids], sink=sink)
+    seconds = time.perf_counter() - sink.t0
     bar.close()
-    return GenerationResult(token_ids=outputs, finish_reasons=reasons, log=log, seconds=seconds, rounds=rounds,
-                            latency=latency, batches=-(-n // batch_size))
+    return GenerationResult(token_ids=sink.outputs, finish_reasons=sink.reasons, log=sink.log, seconds=seconds,
+                            rounds=rounds, latency=sink.latency, batches=-(-n // batch_size))
 
 
-def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seeds, stops, outputs, reasons,
-                  log, bar, on_tokens, latency, t0) -> int:
-    """Decode one batch to completion, writing into outputs/reasons/log/latency; returns the number of rounds."""
+@dataclass
+class _Sink:
+    """Where the eager loop writes what it decodes (indexed by request), and its progress bar and callback."""
+
+    outputs: list[list[int]]
+    reasons: list[str]
+    latency: list[float]
+    log: RoundLog
+    stops: set[int]
+    bar: object
+    on_tokens: Callable[[int, list[int]], bool | None] | None
+    t0: float  # generate()'s start, for the log's time column
+
+
+@dataclass
+class _Batch:
+    """The live rows of one static batch: the host cache, the drafters' view, and CPU mirrors of each row's
+    request index, tokens it may still produce and cache length (for the attention window)."""
+
+    cache: object
+    state: DraftState
+    request: torch.Tensor  # (B,) CPU
+    remaining: torch.Tensor  # (B,) CPU
+    cache_len: torch.Tensor  # (B,) CPU
+    live: torch.Tensor  # (B,) bool CPU
+    start: float  # perf_counter() at the batch's start (latencies count from it)
+    rounds: int = 0
+
+
+def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seeds, sink: _Sink) -> int:
+    """Decode one batch to completion, writing into `sink`; returns the number of rounds."""
+    batch = _prefill(host, prompts, ids, drafter=drafter, verifier=verifier, K=K, limits=limits, sampling=sampling,
+                     seeds=seeds, sink=sink)
+    while _retire(batch, drafter, verifier, host.device):
+        _round(host, batch, drafter=drafter, verifier=verifier, K=K, sampling=sampling, sink=sink)
+    return batch.rounds
+
+
+def _prefill(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seeds, sink: _Sink) -> _Batch:
+    """The whole prompts through the host, then the first new token from p at the last prompt position; the
+    drafter and verifier begin and observe the prompts' features."""
     device, B = host.device, len(prompts)
-    batch_start = time.perf_counter()
+    start = time.perf_counter()
     plen = torch.tensor([len(p) for p in prompts])
     max_len = int(plen.max()) + max(limits) + K + 2
     request = torch.tensor(ids)  # (B,) request index of each live row
-    remaining = torch.tensor(limits)  # (B,) tokens still allowed, CPU
     seq = torch.zeros(B, max_len, dtype=torch.long)  # (B, Tmax)
     for b, p in enumerate(prompts):
         seq[b, : len(p)] = torch.tensor(p)
@@ -133,13 +170,9 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
     cache = host.new_cache(B, max_len)
     state = DraftState(seq=seq, seq_len=plen.to(device).clone(), seeds=torch.tensor(seeds, device=device),
                        rounds=torch.zeros(B, dtype=torch.long, device=device), sampling=sampling)
-    cache_len = torch.zeros(B, dtype=torch.long)  # CPU mirror of cache.lengths, for the attention window
-    taps = drafter.feature_layers
-
-    # prefill: the whole prompt, then the first new token from p at the last prompt position
-    out = host.step(cache, seq[:, : int(plen.max())], plen.to(device), taps=taps, attend=int(plen.max()))
+    out = host.step(cache, seq[:, : int(plen.max())], plen.to(device), taps=drafter.feature_layers,
+                    attend=int(plen.max()))
     cache.advance(plen.to(device))
-    cache_len += plen
     last = out.hidden.gather(1, (plen.to(device) - 1).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1]))
     first_logits = host.logits(last[:, 0])  # (B, V)
     # why: argmax / sampling of NaN logits returns some token; refuse it like a round's non-finite logits
@@ -151,86 +184,105 @@ def _decode_batch(host, prompts, ids, *, drafter, verifier, K, limits, sampling,
     verifier.begin(batch_size=B)
     drafter.observe(features=out.features, start=torch.zeros(B, dtype=torch.long, device=device),
                     n_valid=plen.to(device), state=state)
-    live = _commit_cpu(first.cpu().unsqueeze(1), torch.ones(B, dtype=torch.long), request, remaining, stops,
-                       outputs, reasons, bar, on_tokens)
-    _record_finished(live, request, latency, batch_start)
+    batch = _Batch(cache=cache, state=state, request=request, remaining=torch.tensor(limits), cache_len=plen.clone(),
+                   live=torch.ones(B, dtype=torch.bool), start=start)
+    batch.live = _commit_cpu(first.cpu().unsqueeze(1), torch.ones(B, dtype=torch.long), batch, sink)
+    _record_finished(batch, sink)
+    return batch
 
-    rounds = 0
-    while True:
-        if not bool(live.all()):
-            rows = live.nonzero().flatten()
-            if len(rows) == 0:
-                return rounds
-            for part in (cache, drafter, verifier):
-                part.select(rows.to(device))
-            state = DraftState(seq=state.seq[rows.to(device)], seq_len=state.seq_len[rows.to(device)],
-                               seeds=state.seeds[rows.to(device)], rounds=state.rounds[rows.to(device)],
-                               sampling=sampling)
-            request, remaining, cache_len = request[rows], remaining[rows], cache_len[rows]
-        B = len(request)
-        anchor_pos = state.seq_len - 1  # (B,)
 
-        # 1 draft
-        proposal = drafter.propose(state, K)
-        tokens = proposal.tokens  # (B, K)
-        # 2 schedule
-        ell = verifier.lengths(proposal, K).clamp(0, K) if K else torch.zeros(B, dtype=torch.long, device=device)
-        if proposal.lengths is not None:
-            ell = torch.minimum(ell, proposal.lengths)
-        ell = torch.minimum(ell, (remaining - 1).clamp(min=0).to(device))  # never verify past max_new_tokens
-        # 3 verify: [x0, x1..xL] with L = max ell over the batch (the forward is only as wide as the longest
-        # verified prefix, so a scheduler that shortens verification saves host compute); only the first
-        # ell+1 of each row are real. Every row is padded to L + 1: the forward runs B * (L + 1) tokens.
-        L = _verify_width(verifier, proposal, ell, K, remaining)
-        ell = ell.clamp(max=L)  # a no-op unless a drafter's `width` understated its lengths
-        tokens, q = tokens[:, :L], None if proposal.q is None else proposal.q[:, :L]
-        inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, L+1)
-        out = host.step(cache, inputs, ell + 1, taps=taps, attend=int(cache_len.max()) + L + 1)
-        logits = host.logits(out.hidden)  # (B, L+1, V)
-        finite = torch.isfinite(logits).flatten(1).all(1)
-        if q is not None:
-            finite = finite & torch.isfinite(q).flatten(1).all(1)
-        if proposal.confidence is not None:  # NaN (or outside [0, 1]) would silently steer the verifier
-            c = proposal.confidence
-            finite = finite & ((c >= 0) & (c <= 1)).all(1)  # NaN fails both comparisons
-        # 4 accept
-        positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=device)  # (B, L+1)
-        if sampling.greedy:
-            acc = greedy_accept(logits.argmax(-1), tokens, ell)
-            nxt = acc.next_token
-        else:
-            p = process(logits, sampling)  # (B, L+1, V)
-            u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (B, L)
-            acc = rejection_sample(p, q, tokens, ell, u)
-            nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
-        n_acc = acc.n_accepted
-        # 5 commit: accepted drafts then the next token, written after the anchor
-        new = torch.cat([tokens, tokens.new_zeros(B, 1)], dim=1).scatter_(1, n_acc.unsqueeze(1), nxt.unsqueeze(1))
-        state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new)
-        new_cpu, n_cpu, finite_cpu = new.cpu(), n_acc.cpu(), finite.cpu()  # the round's one device-to-host sync
-        if not bool(finite_cpu.all()):
-            bad = request[~finite_cpu].tolist()
-            raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
-                                     f"in round {rounds} for request(s) {bad}; no token of that round was accepted")
-        cache.advance(n_acc + 1)  # the anchor and the accepted drafts are now in the host cache
-        cache_len += n_cpu + 1
-        drafter.observe(features=out.features, start=anchor_pos, n_valid=n_acc + 1, state=state)
-        state.seq_len += n_acc + 1
-        state.rounds += 1
-        committed_before = remaining.clone()
-        live = _commit_cpu(new_cpu, n_cpu + 1, request, remaining, stops, outputs, reasons, bar, on_tokens)
-        log.request.append(request.clone())
-        log.round.append(state.rounds.cpu() - 1)
-        log.proposed.append(torch.full((B,), K, dtype=torch.long) if proposal.lengths is None
-                            else proposal.lengths.cpu())
-        log.verified.append(ell.cpu())
-        log.accepted.append(n_cpu)
-        log.committed.append(committed_before - remaining)
-        log.confidence.append(None if proposal.confidence is None else proposal.confidence.float().cpu())
-        log.batch.append(B)
-        log.time.append(time.perf_counter() - t0)
-        _record_finished(live, request, latency, batch_start)
-        rounds += 1
+def _retire(batch: _Batch, drafter, verifier, device) -> bool:
+    """Drop the finished rows from every per-row state; False when none is left."""
+    if bool(batch.live.all()):
+        return True
+    rows = batch.live.nonzero().flatten()
+    if len(rows) == 0:
+        return False
+    on_device = rows.to(device)
+    for part in (batch.cache, drafter, verifier):
+        part.select(on_device)
+    s = batch.state
+    batch.state = DraftState(seq=s.seq[on_device], seq_len=s.seq_len[on_device], seeds=s.seeds[on_device],
+                             rounds=s.rounds[on_device], sampling=s.sampling)
+    batch.request, batch.remaining = batch.request[rows], batch.remaining[rows]
+    batch.cache_len, batch.live = batch.cache_len[rows], batch.live[rows]
+    return True
+
+
+def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) -> None:
+    """One round over the live rows: 1 draft, 2 schedule, 3 verify, 4 accept, 5 commit."""
+    state, device, B = batch.state, host.device, len(batch.request)
+    anchor_pos = state.seq_len - 1  # (B,)
+    # 1 draft
+    proposal = drafter.propose(state, K)
+    # 2 schedule
+    ell = verifier.lengths(proposal, K).clamp(0, K) if K else torch.zeros(B, dtype=torch.long, device=device)
+    if proposal.lengths is not None:
+        ell = torch.minimum(ell, proposal.lengths)
+    ell = torch.minimum(ell, (batch.remaining - 1).clamp(min=0).to(device))  # never verify past max_new_tokens
+    # 3 verify: [x0, x1..xL] with L = max ell over the batch (the forward is only as wide as the longest
+    # verified prefix, so a scheduler that shortens verification saves host compute); only the first
+    # ell+1 of each row are real. Every row is padded to L + 1: the forward runs B * (L + 1) tokens.
+    L = _verify_width(verifier, proposal, ell, K, batch.remaining)
+    ell = ell.clamp(max=L)  # a no-op unless a drafter's `width` understated its lengths
+    tokens, q = proposal.tokens[:, :L], None if proposal.q is None else proposal.q[:, :L]
+    inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, L+1)
+    out = host.step(batch.cache, inputs, ell + 1, taps=drafter.feature_layers,
+                    attend=int(batch.cache_len.max()) + L + 1)
+    logits = host.logits(out.hidden)  # (B, L+1, V)
+    finite = _finite(logits, q, proposal.confidence)
+    # 4 accept
+    positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=device)  # (B, L+1)
+    if sampling.greedy:
+        acc = greedy_accept(logits.argmax(-1), tokens, ell)
+        nxt = acc.next_token
+    else:
+        u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (B, L)
+        acc = rejection_sample(process(logits, sampling), q, tokens, ell, u)
+        nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
+    n_acc = acc.n_accepted
+    # 5 commit: accepted drafts then the next token, written after the anchor
+    new = torch.cat([tokens, tokens.new_zeros(B, 1)], dim=1).scatter_(1, n_acc.unsqueeze(1), nxt.unsqueeze(1))
+    state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new)
+    new_cpu, n_cpu, finite_cpu = new.cpu(), n_acc.cpu(), finite.cpu()  # the round's one device-to-host sync
+    if not bool(finite_cpu.all()):
+        bad = batch.request[~finite_cpu].tolist()
+        raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
+                                 f"in round {batch.rounds} for request(s) {bad}; no token of that round was accepted")
+    batch.cache.advance(n_acc + 1)  # the anchor and the accepted drafts are now in the host cache
+    batch.cache_len += n_cpu + 1
+    drafter.observe(features=out.features, start=anchor_pos, n_valid=n_acc + 1, state=state)
+    state.seq_len += n_acc + 1
+    state.rounds += 1
+    committed_before = batch.remaining.clone()
+    batch.live = _commit_cpu(new_cpu, n_cpu + 1, batch, sink)
+    _log_round(sink.log, batch, proposal, K, ell, n_cpu, committed_before - batch.remaining, sink.t0)
+    _record_finished(batch, sink)
+    batch.rounds += 1
+
+
+def _finite(logits: torch.Tensor, q: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:
+    """(B,) rows whose host logits, draft distributions and confidences are usable."""
+    finite = torch.isfinite(logits).flatten(1).all(1)
+    if q is not None:
+        finite = finite & torch.isfinite(q).flatten(1).all(1)
+    if confidence is not None:  # NaN (or outside [0, 1]) would silently steer the verifier
+        finite = finite & ((confidence >= 0) & (confidence <= 1)).all(1)  # NaN fails both comparisons
+    return finite
+
+
+def _log_round(log: RoundLog, batch: _Batch, proposal: Proposal, K: int, ell: torch.Tensor, n_cpu: torch.Tensor,
+               committed: torch.Tensor, t0: float) -> None:
+    B = len(batch.request)
+    log.request.append(batch.request.clone())
+    log.round.append(batch.state.rounds.cpu() - 1)
+    log.proposed.append(torch.full((B,), K, dtype=torch.long) if proposal.lengths is None else proposal.lengths.cpu())
+    log.verified.append(ell.cpu())
+    log.accepted.append(n_cpu)
+    log.committed.append(committed)
+    log.confidence.append(None if proposal.confidence is None else proposal.confidence.float().cpu())
+    log.batch.append(B)
+    log.time.append(time.perf_counter() - t0)
 
 
 def _verify_width(verifier, proposal: Proposal, ell: torch.Tensor, K: int, remaining: torch.Tensor) -> int:
@@ -243,10 +295,10 @@ def _verify_width(verifier, proposal: Proposal, ell: torch.Tensor, K: int, remai
     return int(ell.max())
 
 
-def _record_finished(live: torch.Tensor, request: torch.Tensor, latency: list[float], batch_start: float) -> None:
+def _record_finished(batch: _Batch, sink: _Sink) -> None:
     now = time.perf_counter()
-    for r in request[~live].tolist():
-        latency[r] = now - batch_start
+    for r in batch.request[~batch.live].tolist():
+        sink.latency[r] = now - batch.start
 
 
 def _draw(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, position: torch.Tensor):
@@ -256,24 +308,24 @@ def _draw(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, p
     return sample(process(logits, sampling), seeds, position, STREAM_SAMPLE)
 
 
-def _commit_cpu(new: torch.Tensor, count: torch.Tensor, request: torch.Tensor, remaining: torch.Tensor,
-                stops: set[int], outputs, reasons, bar, on_tokens) -> torch.Tensor:
+def _commit_cpu(new: torch.Tensor, count: torch.Tensor, batch: _Batch, sink: _Sink) -> torch.Tensor:
     """Append the first count[b] tokens of new[b] (cut at a stop token or the length limit); (B,) still live."""
+    request, remaining = batch.request, batch.remaining
     live = torch.ones(len(request), dtype=torch.bool)
     for b, (row, c) in enumerate(zip(new.tolist(), count.tolist())):
         take = row[: min(c, int(remaining[b]))]
         for j, t in enumerate(take):
-            if t in stops:
+            if t in sink.stops:
                 take = take[: j + 1]
-                reasons[int(request[b])] = "stop"
+                sink.reasons[int(request[b])] = "stop"
                 live[b] = False
                 break
-        outputs[int(request[b])].extend(take)
+        sink.outputs[int(request[b])].extend(take)
         remaining[b] -= len(take)
         if remaining[b] <= 0:
             live[b] = False
-        if on_tokens is not None and take and on_tokens(int(request[b]), take) and live[b]:
-            reasons[int(request[b])] = "stop"  # the callback's own stopping rule (e.g. StoppingCriteria)
+        if sink.on_tokens is not None and take and sink.on_tokens(int(request[b]), take) and live[b]:
+            sink.reasons[int(request[b])] = "stop"  # the callback's own stopping rule (e.g. StoppingCriteria)
             live[b] = False
-        bar.update(len(take))
+        sink.bar.update(len(take))
     return live
