@@ -62,7 +62,11 @@ class DecodeOptions:
     top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 = off"})
     top_k: int = field(default=0, metadata={"help": "0 = off"})
     seed: int = field(default=0, metadata={"help": "request i is seeded with seed + i"})
-    batch_size: Optional[int] = field(default=None, metadata={"help": "requests decoded together (default: all)"})
+    batch_size: Optional[int] = field(default=None, metadata={
+        "help": "requests decoded together in static batches (default: all at once)"})
+    concurrency: Optional[int] = field(default=None, metadata={
+        "help": "continuous batching instead: this many requests in flight, a queued one entering as soon as one "
+                "stops (the slot engine); excludes --batch-size"})
 
 
 @dataclass
@@ -179,10 +183,12 @@ def check_drafter_flag(d: DecodeOptions) -> None:
 
 def _decode_kwargs(d: DecodeOptions) -> dict:
     check_drafter_flag(d)
+    if d.concurrency is not None and d.batch_size is not None:
+        raise ConfigError("--concurrency (continuous batching) and --batch-size (static batches) exclude each other")
     return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
                 draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
-                top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size)
+                top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size, concurrency=d.concurrency)
 
 
 def cmd_generate(argv) -> int:
@@ -306,7 +312,8 @@ def cmd_eval(argv) -> int:
                "threshold": d.threshold, "data": e.data, "split": e.split, "heldout_fraction": e.heldout_fraction,
                "offset": e.offset, "limit": e.limit, "max_prompt_length": e.max_prompt_length,
                "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
-               "seed": d.seed, **summarize(out.result, draft_length=d.draft_length)}
+               "seed": d.seed, "batch_size": d.batch_size, "concurrency": d.concurrency,
+               **summarize(out.result, draft_length=d.draft_length)}
     if e.output:
         Path(e.output).parent.mkdir(parents=True, exist_ok=True)
         Path(e.output).write_text(json.dumps(metrics, indent=1) + "\n")

@@ -206,3 +206,15 @@ def test_calibrate_fits_on_prompts_eval_does_not_score(host_dir, trained, capsys
         main(["calibrate", "--host", host_dir, "--device", "cpu", "--drafter-path", trained["output"], "--data",
               trained["data"], "--split", "heldout", "--limit", "4", "--draft-length", "4", "--max-new-tokens", "4",
               "--out", str(report.with_name("cal2.json"))])
+
+
+def test_concurrency_flag_decodes_continuously_with_the_same_tokens(host_dir, capsys):
+    """`--concurrency C` runs the slot engine's continuous batching (C in flight, queued prompts entering as others
+    stop); greedy fp32 output is the same as static batches, and the flag excludes --batch-size."""
+    base = ["generate", "--host", host_dir, "--device", "cpu", "--max-new-tokens", "5", "--json", "--drafter", "ngram",
+            "--prompt", "one", "--prompt", "two two", "--prompt", "three three three"]
+    static = run_json(capsys, base)
+    continuous = run_json(capsys, [*base, "--concurrency", "2"])
+    assert continuous["outputs"] == static["outputs"]
+    assert main([*base, "--concurrency", "2", "--batch-size", "2"]) == 1
+    assert "exclude each other" in capsys.readouterr().err
