@@ -64,9 +64,15 @@ class DecodeOptions:
     seed: int = field(default=0, metadata={"help": "request i is seeded with seed + i"})
     batch_size: Optional[int] = field(default=None, metadata={
         "help": "requests decoded together in static batches (default: all at once)"})
+
+
+@dataclass
+class ServeOptions:
+    """Continuous batching for generate / eval / calibrate (`dspark bench` takes a list of concurrencies instead)."""
+
     concurrency: Optional[int] = field(default=None, metadata={
-        "help": "continuous batching instead: this many requests in flight, a queued one entering as soon as one "
-                "stops (the slot engine); excludes --batch-size"})
+        "help": "continuous batching instead of static batches: this many requests in flight, a queued one entering "
+                "as soon as one stops (the slot engine); excludes --batch-size"})
 
 
 @dataclass
@@ -181,24 +187,24 @@ def check_drafter_flag(d: DecodeOptions) -> None:
     raise ConfigError(f"unknown --drafter {d.drafter!r}: choose none or one of {', '.join(sorted(DRAFTERS))}{hint}")
 
 
-def _decode_kwargs(d: DecodeOptions) -> dict:
+def _decode_kwargs(d: DecodeOptions, serve: ServeOptions) -> dict:
     check_drafter_flag(d)
-    if d.concurrency is not None and d.batch_size is not None:
+    if serve.concurrency is not None and d.batch_size is not None:
         raise ConfigError("--concurrency (continuous batching) and --batch-size (static batches) exclude each other")
     return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
                 draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
-                top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size, concurrency=d.concurrency)
+                top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size, concurrency=serve.concurrency)
 
 
 def cmd_generate(argv) -> int:
     from dspark.api import generate
 
-    h, d, g = parse([HostOptions, DecodeOptions, GenerateOptions], argv, prog="dspark generate")
+    h, d, g, v = parse([HostOptions, DecodeOptions, GenerateOptions, ServeOptions], argv, prog="dspark generate")
     if not g.prompt:
         raise ConfigError("give at least one --prompt")
     host = _host(h)
-    out = generate(host, prompts=g.prompt, chat=g.chat, progress=not g.json, **_decode_kwargs(d))
+    out = generate(host, prompts=g.prompt, chat=g.chat, progress=not g.json, **_decode_kwargs(d, v))
     stats = out.stats
     if g.json:
         print(json.dumps({"outputs": [{"text": t, "token_ids": ids, "finish_reason": r}
@@ -302,17 +308,17 @@ def cmd_eval(argv) -> int:
     from dspark.api import generate
     from dspark.metrics import summarize
 
-    h, d, e = parse([HostOptions, DecodeOptions, EvalOptions], argv, prog="dspark eval")
+    h, d, e, v = parse([HostOptions, DecodeOptions, EvalOptions, ServeOptions], argv, prog="dspark eval")
     e = resolve_split(d, e)
     host = _host(h)
-    out = generate(host, prompts=eval_prompts(host, e), progress=not e.json, **_decode_kwargs(d))
+    out = generate(host, prompts=eval_prompts(host, e), progress=not e.json, **_decode_kwargs(d, v))
     # every setting that defines the prompts and the decoding (dspark.metrics.check_pairable: compare pairs only
     # results equal in all of them)
     metrics = {"host": h.host, "drafter": _drafter_label(d), "drafter_path": d.drafter_path, "verifier": d.verifier,
                "threshold": d.threshold, "data": e.data, "split": e.split, "heldout_fraction": e.heldout_fraction,
                "offset": e.offset, "limit": e.limit, "max_prompt_length": e.max_prompt_length,
                "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
-               "seed": d.seed, "batch_size": d.batch_size, "concurrency": d.concurrency,
+               "seed": d.seed, "batch_size": d.batch_size, "concurrency": v.concurrency,
                **summarize(out.result, draft_length=d.draft_length)}
     if e.output:
         Path(e.output).parent.mkdir(parents=True, exist_ok=True)
@@ -396,7 +402,8 @@ def cmd_calibrate(argv) -> int:
 
     from verifiers.calibration import STSCalibrator, calibration_report, outcomes_from_counts, reliability_diagram
 
-    h, d, e, c = parse([HostOptions, DecodeOptions, EvalOptions, CalibrateOptions], argv, prog="dspark calibrate")
+    h, d, e, c, v = parse([HostOptions, DecodeOptions, EvalOptions, CalibrateOptions, ServeOptions], argv,
+                          prog="dspark calibrate")
     if d.drafter_path is None:
         raise ConfigError("dspark calibrate needs --drafter-path (the calibration is saved with the drafter)")
     if d.verifier != "full":
@@ -416,7 +423,7 @@ def cmd_calibrate(argv) -> int:
                       f"calibration: use --offset {eval_default} or more (and eval a --limit below it), or the default "
                       "--split train", stacklevel=1)
     host = _host(h)
-    out = generate(host, prompts=eval_prompts(host, e), progress=True, **_decode_kwargs(d))
+    out = generate(host, prompts=eval_prompts(host, e), progress=True, **_decode_kwargs(d, v))
     conf = out.result.log.confidences()
     if conf is None:
         raise ValueError(f"drafter {d.drafter_path} gives no confidences (no confidence head): nothing to calibrate")
