@@ -71,6 +71,9 @@ class SmallLMDrafter(Drafter):
         # positions start..start+n_valid-1 are now committed; the first min(n_acc, K-1) drafted tokens were
         # accepted, so their keys (at positions < drafted_end) are the committed tokens' keys
         self.cache.rollback(torch.minimum(start + n_valid, self.drafted_end))
+        # the drafted keys past that are stale: a round without a propose (a plain round, Verifier.draft_next) must
+        # not take them for the committed tokens written there since (in place: see Drafter.capturable)
+        self.drafted_end.copy_(self.cache.lengths)
 
     @torch.no_grad()
     def propose(self, state: DraftState, K: int) -> Proposal:

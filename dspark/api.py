@@ -77,7 +77,7 @@ CALIBRATION_FILE = "calibration.json"  # STS temperatures saved next to a drafte
 
 
 def resolve_verifier(host: Host, verifier=None, *, draft_length: int = 7, drafter_path=None,
-                     threshold: float | None = None, cost_table=None, calibration=None):
+                     threshold: float | None = None, cost_table=None, calibration=None, draft_gate: bool = True):
     """A verifier object from a name ("full", "threshold", "scheduler", "lagged") or an object. Calibration
     defaults to the drafter checkpoint's own calibration.json for the policies that read confidences."""
     from verifiers import Verifier, build_verifier
@@ -89,7 +89,8 @@ def resolve_verifier(host: Host, verifier=None, *, draft_length: int = 7, drafte
         saved = checkpoint_dir(drafter_path) / CALIBRATION_FILE
         calibration = saved if saved.is_file() else None
     return build_verifier(name, threshold=threshold, cost_table=cost_table, calibration=calibration,
-                          expect_host=host.name, expect_device=host.device, positions=draft_length)
+                          expect_host=host.name, expect_device=host.device, positions=draft_length,
+                          draft_gate=draft_gate)
 
 
 def encode_prompts(host: Host, prompts, *, chat: bool = True) -> list[list[int]]:
@@ -141,7 +142,7 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
              max_new_tokens: int | Sequence[int] = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int = 0, batch_size: int | None = None, chat: bool = True, threshold: float | None = None,
              cost_table=None, calibration=None, drafter_path=None, stop_token_ids=None,
-             progress: bool = False, concurrency: int | None = None) -> Generation:
+             progress: bool = False, concurrency: int | None = None, draft_gate: bool = True) -> Generation:
     """Decode `prompts` with `host`, speculatively when `drafter` is given (object, name or directory); in static
     batches of `batch_size`, or continuously with `concurrency` requests in flight (dspark.engine)."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -150,7 +151,8 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
         drafter_path, drafter = drafter, None
     drafter = resolve_drafter(host, drafter, drafter_path=drafter_path)
     verifier = resolve_verifier(host, verifier, draft_length=draft_length, drafter_path=drafter_path,
-                                threshold=threshold, cost_table=cost_table, calibration=calibration)
+                                threshold=threshold, cost_table=cost_table, calibration=calibration,
+                                draft_gate=draft_gate)
     result = decode_generate(host, ids, drafter=drafter, verifier=verifier, draft_length=draft_length,
                              max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=batch_size,
                              concurrency=concurrency,

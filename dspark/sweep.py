@@ -42,7 +42,7 @@ def run_sweep(host, drafter, base: list[list[int]], *, decode_opts, eval_opts, s
     def verifier_for(gamma: int):
         return resolve_verifier(host, decode_opts.verifier, draft_length=gamma, drafter_path=decode_opts.drafter_path,
                                 threshold=decode_opts.threshold, cost_table=decode_opts.cost_table,
-                                calibration=decode_opts.calibration)
+                                calibration=decode_opts.calibration, draft_gate=decode_opts.draft_gate)
 
     for gamma in sweep_opts.draft_lengths:  # a calibration too short for a gamma fails here, before any decoding
         verifier_for(gamma)

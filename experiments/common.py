@@ -138,16 +138,26 @@ def build_policy(host, policy: str, *, draft_length: int, path: str | None, thre
                             cost_table=cost if policy in ("scheduler", "lagged") else None)
 
 
-def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths: list[int], out_dir: Path):
-    """The SPS(M) table: loaded from `path`, else profiled now on this host (saved as OUT_DIR/cost.json), timed at a
-    short cached context as these smoke-sized runs decode."""
-    from verifiers.cost_model import CostModel, profile
+def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths: list[int], out_dir: Path,
+               drafters: dict | None = None):
+    """The SPS(M) table: loaded from `path`, else profiled now on this host, timed at a short cached context as these
+    smoke-sized runs decode; plus the draft cost of every (name, gamma) drafter of `drafters` it lacks (the
+    schedulers' draft gate prices it). Saved as OUT_DIR/cost.json (a loaded `path` is never rewritten)."""
+    from verifiers.cost_model import CostModel, draft_key, profile, profile_draft
 
+    sizes = sorted(set(concurrency))
     if path:
-        return CostModel.load(path, expect_host=host.name, expect_device=host.device)
-    tokens = sorted({1, 2, 4, 8} | {g + 1 for g in draft_lengths})
-    cost = profile(host, batch_sizes=sorted(set(concurrency)), tokens_per_request=tokens, repeats=3, warmup=1,
-                   context=32)
+        cost = CostModel.load(path, expect_host=host.name, expect_device=host.device)
+    else:
+        tokens = sorted({1, 2, 4, 8} | {g + 1 for g in draft_lengths})
+        cost = profile(host, batch_sizes=sizes, tokens_per_request=tokens, repeats=3, warmup=1, context=32)
+    for (name, gamma), drafter in (drafters or {}).items():
+        trained = trained_length(drafter)
+        if draft_key(drafter, gamma) in cost.draft or (name in ("dspark", "dflash") and trained is not None
+                                                       and gamma > trained):
+            continue
+        cost.draft[draft_key(drafter, gamma)] = profile_draft(host, drafter, batch_sizes=sizes, draft_length=gamma,
+                                                              context=32, repeats=3, warmup=1)
     out_dir.mkdir(parents=True, exist_ok=True)
     cost.save(out_dir / "cost.json")
     return cost

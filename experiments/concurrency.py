@@ -65,9 +65,9 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
     check(opts)
     decode = backend(opts.engine)
     costed = any(p in ("scheduler", "lagged") for p in opts.policies)
-    cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths,
-                      out_dir=out_dir) if costed else None
     drafters = build_drafters(host, opts.drafters, run.drafter_paths, opts.draft_lengths)
+    cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths,
+                      out_dir=out_dir, drafters=drafters) if costed else None
     common = dict(max_new_tokens=run.max_new_tokens, sampling=sampling_config(run.temperature), seed=run.seed)
     rows, skipped = [], []
     for C in opts.concurrency:

@@ -48,3 +48,20 @@ def test_graph_rounds_equal_eager_solo(cuda_host, name, sampling, tmp_path):
         alone = generate(cuda_host, [p], drafter=drafter, draft_length=K, max_new_tokens=LIMITS[i],
                          sampling=sampling, seeds=[seeds[i]], engine="eager")
         assert got.token_ids[i] == alone.token_ids[0], f"{name}: request {i}"
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3", "small-lm", "ngram"])
+def test_plain_rounds_in_captured_runs_equal_eager(cuda_host, name, tmp_path):
+    """Rounds the verifier does not draft in (Verifier.draft_next) replay the width-0 graphs over a draft that
+    proposes nothing: the tokens of the eager loop, static batch, greedy and sampled."""
+    from tests.test_draft_gate import EveryThird
+
+    drafter = build_any(name, cuda_host, tmp_path)
+    if isinstance(drafter, torch.nn.Module):
+        drafter = drafter.to("cuda")
+    prompts = random_prompts([5, 1, 12, 7], cuda_host.vocab_size, seed=5)
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        runs = [generate(cuda_host, prompts, drafter=drafter, verifier=EveryThird(), draft_length=K,
+                         max_new_tokens=12, sampling=sampling, seeds=[1, 2, 3, 4], engine=engine, graphs=graphs)
+                for engine, graphs in (("eager", None), ("slots", True))]
+        assert runs[0].token_ids == runs[1].token_ids and 1 in runs[1].engine["widths"]

@@ -28,14 +28,15 @@ def build_verifier(name: str, *, threshold: float | None = None, threshold_mode:
                    cost_table: CostModel | str | Path | None = None,
                    calibration: STSCalibrator | str | Path | None = None,
                    expect_host: str | None = None, expect_device: torch.device | str | None = None,
-                   positions: int | None = None) -> Verifier:
+                   positions: int | None = None, draft_gate: bool = True) -> Verifier:
     """The verifier `name` of VERIFIERS.
 
     threshold (+ threshold_mode): only for "threshold", required there. cost_table: a CostModel or a JSON path,
     required by the schedulers; a path is checked against expect_host / expect_device. calibration: an
     STSCalibrator or a JSON path, applied to confidences by every policy that reads them; it must cover
     `positions` = K (a fit at K' >= K serves K through its first K temperatures). Options a policy does not use
-    are errors, so a misconfigured run fails instead of ignoring them.
+    are errors, so a misconfigured run fails instead of ignoring them. draft_gate: the schedulers skip the draft
+    forward while speculation does not pay (prefix_scheduler.DraftGate); False drafts every round.
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; choose one of {sorted(VERIFIERS)}")
@@ -43,6 +44,8 @@ def build_verifier(name: str, *, threshold: float | None = None, threshold_mode:
         raise ValueError(f"threshold applies only to the 'threshold' verifier, not {name!r}")
     if cost_table is not None and name not in _COSTED:
         raise ValueError(f"a cost table applies only to {list(_COSTED)}, not {name!r}")
+    if not draft_gate and name not in _COSTED:
+        raise ValueError(f"draft_gate=False applies only to {list(_COSTED)}, not {name!r} (which always drafts)")
     if calibration is not None and name == "full":
         raise ValueError("calibration has no effect on the 'full' verifier, which ignores confidences")
     if isinstance(calibration, (str, Path)):
@@ -60,4 +63,4 @@ def build_verifier(name: str, *, threshold: float | None = None, threshold_mode:
                          f"verifiers.cost_model.profile(...).save(path)); profile the host first")
     if isinstance(cost_table, (str, Path)):
         cost_table = CostModel.load(cost_table, expect_host=expect_host, expect_device=expect_device)
-    return VERIFIERS[name](cost_table, calibrator=calibration)
+    return VERIFIERS[name](cost_table, calibrator=calibration, gate=draft_gate)

@@ -31,6 +31,9 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     sps                        verify steps per second at each M (float > 0)
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
                                median over repeats; [] for hand-made tables
+    draft                      the drafter's own propose step (`profile_draft`), {} when not profiled:
+                               {draft_key: {"batch_sizes": [R], "seconds": [s], "context": n}}, draft_key =
+                               "<drafter name>/K<draft length>/<parameter count>"
 When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
 tokens, sps, step_ms.
 
@@ -56,6 +59,8 @@ from pathlib import Path
 import torch
 
 from dspark.engine.jsonio import read_versioned_json, write_json_atomic
+from dspark.engine.protocol import DraftState
+from dspark.engine.sampling import SamplingConfig
 
 FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"
@@ -90,6 +95,9 @@ class CostModel:
     tokens_per_request: list[int] = field(default_factory=list)
     context: int = 0
     points: list[dict] = field(default_factory=list)
+    # the drafter's own propose step, per drafter and draft length (`draft_key`): {key: {"batch_sizes": [R],
+    # "seconds": [s]}}, from `profile_draft`; the scheduler adds it to the price of a speculative round
+    draft: dict = field(default_factory=dict)
     # why: a per-device copy of the grid, so calling the model on a CUDA tensor in the hot path does not copy
     # (and synchronise) every round
     _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -107,6 +115,29 @@ class CostModel:
             raise ValueError(f"steps per second must be finite and > 0, got {bad}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for key, entry in self.draft.items():
+            sizes, seconds = entry.get("batch_sizes", []), entry.get("seconds", [])
+            if (not sizes or len(sizes) != len(seconds) or sizes[0] < 1
+                    or any(b1 <= b0 for b0, b1 in zip(sizes, sizes[1:]))
+                    or not all(0 < s < float("inf") for s in seconds)):
+                raise ValueError(f"draft cost {key!r} needs strictly increasing batch_sizes >= 1 and as many finite "
+                                 f"seconds > 0, got batch_sizes={sizes}, seconds={seconds}")
+
+    # ---- the drafter's step --------------------------------------------------------------------------------
+    def draft_seconds(self, key: str, requests: int) -> float | None:
+        """Seconds of the drafter's propose step over `requests` rows, None when `key` was not profiled: linear
+        between profiled batch sizes, the first one's below them, proportional to rows past the last."""
+        entry = self.draft.get(key)
+        if entry is None:
+            return None
+        sizes, seconds = entry["batch_sizes"], entry["seconds"]
+        if requests <= sizes[0]:
+            return float(seconds[0])
+        if requests >= sizes[-1]:
+            return float(seconds[-1]) * requests / sizes[-1]
+        i = next(i for i, b in enumerate(sizes) if b >= requests)
+        frac = (requests - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return float(seconds[i - 1] + frac * (seconds[i] - seconds[i - 1]))
 
     # ---- SPS(M) ----------------------------------------------------------------------------------------------
     def __call__(self, M: torch.Tensor | int) -> torch.Tensor | float:
@@ -246,6 +277,53 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
                                  mode=mode, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                  torch_version=torch.__version__, batch_sizes=list(batch_sizes),
                                  tokens_per_request=list(tokens_per_request), context=context, points=points)
+
+
+def draft_key(drafter, K: int) -> str:
+    """The cost table's name for `drafter` proposing K drafts: its name, K and its parameter count (so a table
+    profiled for a 2-layer DSpark is not read for a 5-layer one)."""
+    modules = [drafter] if isinstance(drafter, torch.nn.Module) else []
+    for value in vars(drafter).values():  # drafters that hold their networks (the small LM sits in a Host)
+        inner = value if isinstance(value, torch.nn.Module) else getattr(value, "model", None)
+        if isinstance(inner, torch.nn.Module) and not isinstance(drafter, torch.nn.Module):
+            modules.append(inner)
+    parameters = sum(p.numel() for m in modules for p in m.parameters())
+    return f"{drafter.name}/K{K}/{parameters}"
+
+
+def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, context: int = 256,
+                  repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict:
+    """Time the drafter's propose step (greedy, K = draft_length) over R rows holding `context` positions, for
+    every R of batch_sizes: the median of `repeats` timed calls after `warmup` untimed ones. Returns the entry
+    `CostModel.draft[draft_key(drafter, draft_length)]` holds. The rows' state is what the decode loop leaves
+    after a prefill of `context` random tokens (begin, then observe of the host's features)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = torch.device(host.device)
+    g = torch.Generator().manual_seed(seed)
+    seconds = []
+    for R in sorted(set(batch_sizes)):
+        max_len = context + 1 + draft_length + ATTEND_SLACK
+        seq = torch.randint(host.vocab_size, (R, max_len), generator=g).to(device)  # (R, max_len)
+        filled = torch.full((R,), context, dtype=torch.long, device=device)
+        cache = host.new_cache(R, max_len)
+        state = DraftState(seq=seq, seq_len=filled + 1, seeds=torch.arange(R, device=device),
+                           rounds=torch.zeros(R, dtype=torch.long, device=device), sampling=SamplingConfig())
+        times = []
+        with torch.inference_mode():
+            out = host.step(cache, seq[:, :context], filled, taps=drafter.feature_layers, attend=context)
+            drafter.begin(host=host, batch_size=R, max_len=max_len)
+            drafter.observe(features=out.features, start=torch.zeros_like(filled), n_valid=filled, state=state)
+            for i in range(warmup + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                drafter.propose(state, draft_length)
+                _sync(device)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+        seconds.append(max(statistics.median(times), 1e-9))
+        del cache
+    return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "context": context}
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:

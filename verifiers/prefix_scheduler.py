@@ -20,12 +20,17 @@ depend only on x_{r,<j} (and on other requests, whose drafts are independent of 
 lossless. A global search takes argmax_L Θ(L), which looks at deeper survivals that depend on the drafts being
 decided about, and is biased (kept as `GlobalSearchScheduler`).
 
+When not to draft at all (`DraftGate`, on by default for the schedulers): verifying nothing still pays for the
+draft forward, so after a round whose committed tokens did not pay for its verify forward plus the drafter's own
+step (the cost table's `draft` entry), the next rounds are plain and a later round probes again.
+
 `sps` arguments accept a `CostModel`, a vectorised callable mapping a long tensor of token counts to steps per
 second, or a 1-D table indexed by M (table[M] = SPS(M); index 0 unused).
 """
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -33,7 +38,7 @@ import torch
 
 from dspark.engine.protocol import Proposal, Verifier
 from verifiers.calibration import STSCalibrator, calibrated_confidence
-from verifiers.cost_model import CostModel, verify_tokens
+from verifiers.cost_model import CostModel, draft_key, verify_tokens
 
 SPS = CostModel | Callable[[torch.Tensor], torch.Tensor] | Sequence[float] | torch.Tensor
 
@@ -111,17 +116,105 @@ def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
     return best, best_theta
 
 
-class PrefixScheduler(Verifier):
+class DraftGate:
+    """When not to speculate: the schedulers skip the draft forward while speculation does not pay for itself, and
+    probe again later.
+
+    After each drafted round the gate prices what the round bought. Its `rows` live requests committed c tokens in
+    a round that cost t_v(R·(L + 1)) + t_d(R): the verify forward at its width L over the R rows of the forward,
+    plus the drafter's own step, both from the cost table (`CostModel.draft`, from `profile_draft`). Plain decoding
+    would have committed one token per live row in t_v(R). So gain = (c / rows)·t_v(R) / (t_v(R·(L + 1)) + t_d(R)),
+    smoothed over a streak of drafted rounds (exponential moving average, weight `smoothing` on the newest).
+    While gain <= 1, the next `wait` rounds are plain: no draft forward, nothing verified. Then one round drafts
+    again as a probe and is judged on its own. Each failed probe doubles the wait, up to `max_wait`; a probe that
+    pays resumes drafting every round.
+
+    Lossless: whether a round drafts depends only on the counts of finished rounds, never on drafts not yet made,
+    and a plain round is an ordinary round with nothing proposed. The price uses realised acceptance, not
+    confidences, so it needs no calibration and works for drafters without a confidence head.
+    """
+
+    def __init__(self, cost: SPS, *, smoothing: float = 0.3, max_wait: int = 64) -> None:
+        if not 0.0 < smoothing <= 1.0 or max_wait < 1:
+            raise ValueError(f"need 0 < smoothing <= 1 and max_wait >= 1, got {smoothing}, {max_wait}")
+        self.cost, self.smoothing, self.max_wait = cost, smoothing, max_wait
+        self.key: str | None = None
+        self.begin()
+
+    def bind(self, *, drafter, K: int) -> None:
+        self.key = draft_key(drafter, K)
+        draft = getattr(self.cost, "draft", {})
+        if K and self.key not in draft:
+            warnings.warn(f"the cost table has no draft cost for {self.key!r} (profiled: {sorted(draft) or 'none'}): "
+                          "the scheduler prices the drafter's own step as free and so speculates more than pays; "
+                          "profile it (`dspark profile --drafter-path ...`, verifiers.cost_model.profile_draft)",
+                          stacklevel=3)
+
+    def begin(self) -> None:
+        self.gain: float | None = None  # smoothed gain of speculating over plain decoding
+        self.wait, self.skip_left, self.probing = 1, 0, False
+        self.drafted_rounds = self.skipped_rounds = 0
+
+    def draft_next(self) -> bool:
+        return self.skip_left == 0
+
+    def _seconds(self, tokens: int) -> float:
+        return 1.0 / float(_sps_at(self.cost, torch.tensor([tokens]))[0])
+
+    def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
+        if not drafted:
+            self.skip_left = max(0, self.skip_left - 1)
+            self.skipped_rounds += 1
+            return
+        self.drafted_rounds += 1
+        if rows == 0:
+            return
+        draft_s = getattr(self.cost, "draft_seconds", lambda *_: None)(self.key, slots) if self.key else None
+        gain = (committed / rows) * self._seconds(slots) / (self._seconds(slots * (width + 1)) + (draft_s or 0.0))
+        fresh = self.gain is None or self.probing
+        self.gain = gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain
+        self.probing = False
+        if self.gain > 1.0:
+            self.wait = 1
+        else:
+            self.skip_left, self.probing, self.wait = self.wait, True, min(2 * self.wait, self.max_wait)
+
+
+class _Gated(Verifier):
+    """A scheduler that drafts only while it pays (`DraftGate`); gate=False drafts every round."""
+
+    def _init_gate(self, cost: SPS, gate: bool) -> None:
+        self.gate = DraftGate(cost) if gate else None
+
+    def bind(self, *, drafter, K: int) -> None:
+        if self.gate is not None:
+            self.gate.bind(drafter=drafter, K=K)
+
+    def draft_next(self) -> bool:
+        return self.gate is None or self.gate.draft_next()
+
+    def after_round(self, **round_) -> None:
+        if self.gate is not None:
+            self.gate.after_round(**round_)
+
+
+class PrefixScheduler(_Gated):
     """Algorithm 1 with early stop, over verify widths: deepen while expected throughput keeps rising.
 
     Lossless: verifying depth j depends only on survivals at depths <= j, i.e. on drafts before x_j.
-    Without confidences every a = 1 and the width is decided by the cost curve alone.
+    Without confidences every a = 1 and the width is decided by the cost curve alone. With `gate` (the default)
+    it also knows when not to speculate: `DraftGate` skips the draft forward while drafting does not pay.
     """
 
     name = "scheduler"
 
-    def __init__(self, cost: SPS, *, calibrator: STSCalibrator | None = None) -> None:
+    def __init__(self, cost: SPS, *, calibrator: STSCalibrator | None = None, gate: bool = True) -> None:
         self.cost, self.calibrator = cost, calibrator
+        self._init_gate(cost, gate)
+
+    def begin(self, *, batch_size: int) -> None:
+        if self.gate is not None:
+            self.gate.begin()
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         a = survival(calibrated_confidence(proposal, K, self.calibrator))  # (R, K)
@@ -144,7 +237,7 @@ class GlobalSearchScheduler(PrefixScheduler):
         return schedule(a, self.cost, early_stop=False, limit=proposal.lengths)
 
 
-class LaggedCapacityScheduler(Verifier):
+class LaggedCapacityScheduler(_Gated):
     """Production variant: the batch's verify width from confidences two rounds old.
 
     Round t: the capacity L_cap = argmax_L Θ(L) is a global search over the widths of round t − 2's survivals of
@@ -159,12 +252,15 @@ class LaggedCapacityScheduler(Verifier):
     name = "lagged"
     lag = 2
 
-    def __init__(self, cost: SPS, *, calibrator: STSCalibrator | None = None) -> None:
+    def __init__(self, cost: SPS, *, calibrator: STSCalibrator | None = None, gate: bool = True) -> None:
         self.cost, self.calibrator = cost, calibrator
         self.history: deque[tuple[torch.Tensor, torch.Tensor | None]] = deque(maxlen=self.lag)
+        self._init_gate(cost, gate)
 
     def begin(self, *, batch_size: int) -> None:
         self.history.clear()
+        if self.gate is not None:
+            self.gate.begin()
 
     def select(self, rows: torch.Tensor) -> None:
         self.history = deque(((a[rows], None if limit is None else limit[rows]) for a, limit in self.history),

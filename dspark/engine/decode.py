@@ -90,6 +90,7 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     host.check_taps(drafter.feature_layers)
     if verifier is None:
         verifier = VerifyAll()
+    verifier.bind(drafter=drafter, K=K)
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(n)]
     if len(seeds) != n:
         raise ValueError(f"seeds has {len(seeds)} entries for {n} prompts")
@@ -213,17 +214,21 @@ def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) 
     """One round over the live rows: 1 draft, 2 schedule, 3 verify, 4 accept, 5 commit."""
     state, device, B = batch.state, host.device, len(batch.request)
     anchor_pos = state.seq_len - 1  # (B,)
-    # 1 draft
-    proposal = drafter.propose(state, K)
+    # 1 draft, unless the verifier decided from finished rounds that this one is plain (Verifier.draft_next)
+    drafting = K > 0 and verifier.draft_next()
+    if drafting:
+        proposal = drafter.propose(state, K)
+    else:
+        proposal = Proposal(tokens=state.seq.new_zeros(B, K), lengths=state.seq.new_zeros(B), width=0)
     # 2 schedule
-    ell = verifier.lengths(proposal, K).clamp(0, K) if K else torch.zeros(B, dtype=torch.long, device=device)
+    ell = verifier.lengths(proposal, K).clamp(0, K) if drafting else torch.zeros(B, dtype=torch.long, device=device)
     if proposal.lengths is not None:
         ell = torch.minimum(ell, proposal.lengths)
     ell = torch.minimum(ell, (batch.remaining - 1).clamp(min=0).to(device))  # never verify past max_new_tokens
     # 3 verify: [x0, x1..xL] with L = max ell over the batch (the forward is only as wide as the longest
     # verified prefix, so a scheduler that shortens verification saves host compute); only the first
     # ell+1 of each row are real. Every row is padded to L + 1: the forward runs B * (L + 1) tokens.
-    L = _verify_width(verifier, proposal, ell, K, batch.remaining)
+    L = _verify_width(verifier, proposal, ell, K, batch.remaining) if drafting else 0
     ell = ell.clamp(max=L)  # a no-op unless a drafter's `width` understated its lengths
     tokens, q = proposal.tokens[:, :L], None if proposal.q is None else proposal.q[:, :L]
     inputs = torch.cat([state.anchor.unsqueeze(1), tokens], dim=1)  # (B, L+1)
@@ -256,7 +261,8 @@ def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) 
     state.rounds += 1
     committed_before = batch.remaining.clone()
     batch.live = _commit_cpu(new_cpu, n_cpu + 1, batch, sink)
-    _log_round(sink.log, batch, proposal, K, ell, n_cpu, committed_before - batch.remaining, sink.t0)
+    _log_round(sink.log, batch, proposal, K, ell, n_cpu, committed_before - batch.remaining, sink.t0, drafting)
+    verifier.after_round(slots=B, rows=B, width=L, drafted=drafting, committed=int(n_cpu.sum()) + B)
     _record_finished(batch, sink)
     batch.rounds += 1
 
@@ -272,7 +278,7 @@ def _finite(logits: torch.Tensor, q: torch.Tensor | None, confidence: torch.Tens
 
 
 def _log_round(log: RoundLog, batch: _Batch, proposal: Proposal, K: int, ell: torch.Tensor, n_cpu: torch.Tensor,
-               committed: torch.Tensor, t0: float) -> None:
+               committed: torch.Tensor, t0: float, drafted: bool) -> None:
     B = len(batch.request)
     log.request.append(batch.request.clone())
     log.round.append(batch.state.rounds.cpu() - 1)
@@ -280,7 +286,10 @@ def _log_round(log: RoundLog, batch: _Batch, proposal: Proposal, K: int, ell: to
     log.verified.append(ell.cpu())
     log.accepted.append(n_cpu)
     log.committed.append(committed)
-    log.confidence.append(None if proposal.confidence is None else proposal.confidence.float().cpu())
+    if not drafted:  # a plain round (the verifier skipped drafting): no confidences, see RoundLog.confidences
+        log.confidence.append(torch.zeros(B, 0))
+    else:
+        log.confidence.append(None if proposal.confidence is None else proposal.confidence.float().cpu())
     log.batch.append(B)
     log.time.append(time.perf_counter() - t0)
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dspark.engine.round import Draft, accept, drafts_to_verify, propose, verify
+from dspark.engine.round import Draft, accept, drafts_to_verify, no_draft, propose, verify
 
 
 class EagerRound:
@@ -30,11 +30,15 @@ class EagerRound:
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
         self.timer = StageTimer(timing and host.device.type == "cuda")
 
-    def __call__(self) -> tuple[torch.Tensor, Draft, int]:
-        """One round: (packed output, draft, L the drafts per row of its verify forward)."""
+    def __call__(self, drafting: bool = True) -> tuple[torch.Tensor, Draft, int]:
+        """One round: (packed output, draft, L the drafts per row of its verify forward); drafting False is a plain
+        round (no draft forward, nothing verified)."""
         self.timer.mark()
-        draft = propose(self.slots, self.drafter, self.verifier, self.K)
-        L = drafts_to_verify(self.slots, self.verifier, draft, self.K)
+        if drafting:
+            draft = propose(self.slots, self.drafter, self.verifier, self.K)
+            L = drafts_to_verify(self.slots, self.verifier, draft, self.K)
+        else:
+            draft, L = no_draft(self.slots, self.K), 0
         self.timer.mark()
         attend = max(self.slots.cache_len) + L + 1
         verified = verify(self.slots, self.host, draft, L, self.drafter.feature_layers, attend)
@@ -65,23 +69,27 @@ class GraphRound:
         else:  # static input buffers filled from the eager propose each round
             eager = propose(slots, drafter, verifier, K)
             self.draft = Draft(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(eager).items()})
+        self.captured_width = self.draft.width
         torch.cuda.synchronize()
         verifier.begin(batch_size=slots.capacity)  # the idle warm-up rounds leave no history (lagged scheduler)
         self.widths: dict[int, tuple] = {}  # L -> (verify graph, accept graph, packed output, its input)
         self.graphs = 1 if self.whole else 0
         self.warmup_s = time.perf_counter() - start
 
-    def __call__(self) -> tuple[torch.Tensor, Draft, int]:
+    def __call__(self, drafting: bool = True) -> tuple[torch.Tensor, Draft, int]:
         self.timer.mark()
-        if self.whole:
+        if not drafting:  # a plain round: the width-0 graphs over a draft that proposes nothing
+            no_draft(self.slots, self.K, self.draft)
+        elif self.whole:
             self.g_propose.replay()
+            self.draft.width = self.captured_width  # a plain round set it to 0
         else:
             fresh = propose(self.slots, self.drafter, self.verifier, self.K)
             for name, buffer in vars(self.draft).items():
                 if isinstance(buffer, torch.Tensor):
                     buffer.copy_(getattr(fresh, name))
             self.draft.width = fresh.width
-        L = drafts_to_verify(self.slots, self.verifier, self.draft, self.K)
+        L = drafts_to_verify(self.slots, self.verifier, self.draft, self.K) if drafting else 0
         if L not in self.widths:
             self._capture(L)
         g_verify, g_accept, out, _ = self.widths[L]

@@ -127,6 +127,20 @@ class Verifier:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows of any per-request state."""
 
+    def bind(self, *, drafter: Drafter, K: int) -> None:
+        """Called once before decoding, with the drafter and the draft length in use."""
+
+    def draft_next(self) -> bool:
+        """Whether the next round runs the drafter at all; False makes it a plain round (no draft forward,
+        nothing verified). It may depend only on finished rounds, never on drafts not yet made, which keeps every
+        policy lossless: a plain round is an ordinary round with nothing proposed."""
+        return True
+
+    def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
+        """What a finished round did, read from its device-to-host copy (no device read of its own): `slots` rows in
+        the verify forward (live or idle), `rows` live requests, `width` drafts per row of that forward, whether
+        it drafted, and the tokens the live rows committed (accepted + 1 each, before budgets and stops cut)."""
+
     def next_width(self) -> torch.Tensor | None:
         """A bound on every length the next call of lengths() will return, as a 0-dim long tensor, when it is
         decided already (a lagged policy); None = not known. The slot engine reads it back with this round's

@@ -17,7 +17,9 @@ class RoundLog:
     verified: list[torch.Tensor] = field(default_factory=list)  # (B,) ell: drafts the host verified
     accepted: list[torch.Tensor] = field(default_factory=list)  # (B,) drafts accepted
     committed: list[torch.Tensor] = field(default_factory=list)  # (B,) tokens committed (accepted + 1, cut at stops)
-    confidence: list[torch.Tensor | None] = field(default_factory=list)  # (B, K) or None
+    # (B, K), or None when the drafter gives none; (B, 0) for a round the verifier did not draft in (a plain
+    # round: Verifier.draft_next), which `confidences` pads with zeros (their rows verify and accept nothing)
+    confidence: list[torch.Tensor | None] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)  # requests in the batch that round (the load)
     time: list[float] = field(default_factory=list)  # seconds since generate() started, at the end of the round
 
@@ -35,7 +37,10 @@ class RoundLog:
         """(N, K) confidences of every row, or None when the drafter gave none."""
         if not self.confidence or any(c is None for c in self.confidence):
             return None
-        return torch.cat(self.confidence)
+        K = max(c.shape[1] for c in self.confidence)
+        if K == 0:
+            return None
+        return torch.cat([c if c.shape[1] == K else c.new_zeros(c.shape[0], K) for c in self.confidence])
 
     def extend(self, other: "RoundLog") -> None:
         for name in ("request", "round", "proposed", "verified", "accepted", "committed", "confidence", "batch",

@@ -69,6 +69,25 @@ def propose(slots, drafter, verifier, K: int) -> Draft:
                  width=width, next_width=ahead)
 
 
+def no_draft(slots, K: int, draft: Draft | None = None) -> Draft:
+    """A plain round's Draft (the verifier skipped drafting, Verifier.draft_next): nothing proposed or verified.
+    Given `draft`, written into its buffers in place (a captured round reads those very tensors): its tokens and q
+    are left as they are, unread at width 0, and its confidences zeroed (a stale one of a slot admitted since
+    could fail the finite check)."""
+    if draft is None:
+        C, device = slots.capacity, slots.active.device
+        zeros = torch.zeros(C, dtype=torch.long, device=device)
+        return Draft(tokens=torch.zeros(C, K, dtype=torch.long, device=device), q=None, confidence=None, ell=zeros,
+                     proposed=zeros.clone(), width=0, next_width=torch.full((), -1, device=device))
+    draft.ell.zero_()
+    draft.proposed.zero_()
+    if draft.confidence is not None:
+        draft.confidence.zero_()
+    draft.next_width.fill_(-1)
+    draft.width = 0
+    return draft
+
+
 def width_bucket(L: int, K: int) -> int:
     """The drafts per row (bucket) of a verify forward that must hold L drafts: the forward width L + 1 rounded up
     to every width up to 8, then powers of two, capped at K + 1.

@@ -42,12 +42,17 @@ class Sink:
         columns = torch.tensor(self.rows, dtype=torch.long).reshape(-1, len(names)).T
         for name, column in zip(names, columns):
             getattr(self.log, name).append(column.clone())
-        if self.confidence:
-            flat = torch.cat([c for c, _ in self.confidence]).cpu()  # (sum of C over rounds, K)
-            offsets, index = 0, []
+        drafted = [c for c, _ in self.confidence if c is not None]
+        if drafted:
+            # rows of plain rounds read a zero row appended after the drafted rounds' rows
+            flat = torch.cat(drafted + [drafted[0].new_zeros(1, drafted[0].shape[1])]).cpu()  # (sum of C + 1, K)
+            offsets, index, zero = 0, [], len(flat) - 1
             for c, live in self.confidence:
-                index.extend(offsets + s for s in live)
-                offsets += c.shape[0]
+                if c is None:
+                    index.extend(zero for _ in live)
+                else:
+                    index.extend(offsets + s for s in live)
+                    offsets += c.shape[0]
             self.log.confidence.append(flat[torch.tensor(index, dtype=torch.long)])
         else:
             self.log.confidence.append(None)
@@ -80,6 +85,7 @@ class EngineStats:
     stage_s: dict = field(default_factory=dict)  # draft / verify / accept device seconds, bookkeeping wall seconds
     in_flight: list[int] = field(default_factory=list)  # requests in flight at each round
     widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
+    drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
 
 
 def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
@@ -95,12 +101,16 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     busy = 0.0
     while slots.in_flight():
         start = time.perf_counter()
-        packed, draft, L = runner()
+        drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
+        packed, draft, L = runner(drafting)
         packed = packed.cpu()  # the round's device-to-host copy (the only one when L was known on the CPU)
         stats.in_flight.append(slots.in_flight())
         stats.widths.append(L + 1)
+        stats.drafted += drafting
         slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
-        done = _commit_round(slots, packed, draft, sink, stats.rounds, K)
+        live = slots.in_flight()
+        done, committed = _commit_round(slots, packed, draft, sink, stats.rounds, K, drafting)
+        verifier.after_round(slots=slots.capacity, rows=live, width=L, drafted=drafting, committed=committed)
         _finish(slots, done, sink)
         _fill(slots, queue, sink, stats)
         stats.rounds += 1
@@ -137,8 +147,10 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
         sink.latency[r.index] = now - sink.latency[r.index]
 
 
-def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int) -> list[int]:
-    """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped.
+def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int,
+                  drafted: bool) -> tuple[list[int], int]:
+    """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped
+    and the tokens the live slots committed before budgets and stops cut them (accepted + 1 each).
 
     why plain Python lists here: per-element tensor indexing costs microseconds each, C of them per round, which
     on a GPU is the time of a whole captured round; the log's tensors are built once at the end (Sink.close)."""
@@ -148,10 +160,11 @@ def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_i
     if bad:
         raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
                                  f"in round {round_index} for request(s) {bad}; no token of that round was accepted")
-    rows, done = sink.rows, []
+    rows, done, committed = sink.rows, [], 0
     for s in live_slots:
         row, request = table[s], slots.request[s]
         accepted = row[K + 1 + N_ACCEPTED]
+        committed += accepted + 1
         before = slots.remaining_cpu[s]
         _, live, slots.remaining_cpu[s] = sink.take(request, row[: accepted + 1], before)
         slots.cache_len[s] += accepted + 1
@@ -160,8 +173,10 @@ def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_i
         slots.rounds_cpu[s] += 1
         if not live:
             done.append(s)
-    if draft.confidence is not None:  # a device-side copy of the round's buffer, read back once at the end
+    if not drafted:  # a plain round: no confidences (zeros in the log, see RoundLog.confidences)
+        sink.confidence.append((None, live_slots))
+    elif draft.confidence is not None:  # a device-side copy of the round's buffer, read back once at the end
         sink.confidence.append((draft.confidence.float().clone(), live_slots))
     sink.log.batch.append(len(live_slots))
     sink.log.time.append(time.perf_counter() - sink.t0)
-    return done
+    return done, committed

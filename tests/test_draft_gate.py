@@ -1,0 +1,217 @@
+"""The schedulers' draft gate (verifiers.prefix_scheduler.DraftGate): when speculation does not pay for itself the
+next rounds are plain (no draft forward, nothing verified), probing again after a wait that doubles while probes
+keep failing; the drafter's own step, profiled into the cost table, is part of the price. Decoding stays exact:
+greedy output equals plain decoding, and the slot engine and the eager loop make the same gate decisions (so even
+sampled output agrees) because the gate reads only finished rounds.
+
+Shapes: R rows of a forward, K draft positions.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dspark.engine.decode import generate
+from dspark.engine.protocol import Drafter, Proposal, VerifyAll
+from dspark.engine.sampling import SamplingConfig
+from tests.conftest import random_prompts
+from tests.test_decode import K, build_any
+from verifiers import build_verifier
+from verifiers.cost_model import CostModel, draft_key, profile_draft
+from verifiers.prefix_scheduler import DraftGate
+
+T1 = SamplingConfig(temperature=1.0)
+
+
+class Named:
+    """A stand-in drafter for the gate's bookkeeping: a name and no parameters."""
+
+    name = "fake"
+
+
+def gate_with(draft_ms: float | None, sps: float = 100.0) -> DraftGate:
+    cost = CostModel.flat(sps)  # a verify step costs 1/sps whatever its width
+    if draft_ms is not None:
+        cost.draft[draft_key(Named(), K)] = {"batch_sizes": [1, 64], "seconds": [draft_ms / 1000] * 2}
+    gate = DraftGate(cost)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gate.bind(drafter=Named(), K=K)
+    return gate
+
+
+def drafted_rounds(gate: DraftGate, tau_of, rounds: int = 40, rows: int = 4) -> list[int]:
+    """Drive the gate as the engine does; tau_of(round) = tokens each live row commits in a drafted round."""
+    out = []
+    for r in range(rounds):
+        drafting = gate.draft_next()
+        if drafting:
+            out.append(r)
+        committed = rows * (tau_of(r) if drafting else 1)
+        gate.after_round(slots=rows, rows=rows, width=K if drafting else 0, drafted=drafting, committed=committed)
+    return out
+
+
+def test_gate_skips_while_drafts_do_not_pay_and_probes_with_a_doubling_wait():
+    assert drafted_rounds(gate_with(0.0), lambda r: 1) == [0, 2, 5, 10, 19, 36]  # waits 1, 2, 4, 8, 16
+
+
+def test_gate_drafts_every_round_while_it_pays():
+    assert drafted_rounds(gate_with(1.0), lambda r: 3) == list(range(40))
+
+
+def test_the_drafters_own_step_is_part_of_the_price():
+    # tau 2 doubles the tokens of a 10 ms verify step; a 15 ms draft makes the round cost 25 ms: 0.8x plain
+    assert drafted_rounds(gate_with(15.0), lambda r: 2)[:3] == [0, 2, 5]
+    assert drafted_rounds(gate_with(5.0), lambda r: 2) == list(range(40))  # 15 ms for 2 tokens: 1.33x plain
+
+
+def test_a_probe_that_pays_resumes_drafting_every_round():
+    got = drafted_rounds(gate_with(0.0), lambda r: 1 if r < 10 else 3)
+    assert got[:4] == [0, 2, 5, 10] and got[4:] == list(range(11, 40))
+
+
+def test_a_streak_is_smoothed_one_bad_round_does_not_stop_it():
+    assert drafted_rounds(gate_with(0.0), lambda r: 1 if r == 5 else 3) == list(range(40))
+
+
+def test_a_missing_or_foreign_draft_cost_warns(tiny_host):
+    cost = CostModel.flat(100.0)
+    cost.draft["dspark/K4/1"] = {"batch_sizes": [1], "seconds": [0.001]}
+    with pytest.warns(UserWarning, match="no draft cost for 'fake/K4/0'.*dspark/K4/1"):
+        DraftGate(cost).bind(drafter=Named(), K=K)
+
+
+class Rejected(Drafter):
+    """Proposes K copies of a token the tiny host's greedy choice never is (so nothing is ever accepted), with
+    confidences, so the scheduler would verify them."""
+
+    name = "rejected"
+    capturable = True
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, state, K):
+        B = state.seq.shape[0]
+        tokens = torch.full((B, K), self.token, dtype=torch.long, device=state.seq.device)
+        return Proposal(tokens=tokens, confidence=torch.full((B, K), 0.9, device=state.seq.device))
+
+
+def gated(draft_ms: float) -> object:
+    cost = CostModel.flat(100.0)
+    cost.draft[draft_key(Rejected(0), K)] = {"batch_sizes": [1], "seconds": [draft_ms / 1000]}
+    return build_verifier("scheduler", cost_table=cost)
+
+
+def test_gated_decoding_is_exact_and_both_engines_decide_alike(tiny_host):
+    prompts = random_prompts([5, 9, 3, 7], tiny_host.vocab_size, seed=11)
+    plain = generate(tiny_host, prompts, max_new_tokens=20)
+    never = next(t for t in range(tiny_host.vocab_size) if all(t not in out for out in plain.token_ids))
+    for sampling in (SamplingConfig(), T1):
+        runs = {engine: generate(tiny_host, prompts, drafter=Rejected(never), verifier=gated(1.0), draft_length=K,
+                                 max_new_tokens=20, sampling=sampling, engine=engine, seeds=[3, 4, 5, 6])
+                for engine in ("eager", "slots")}
+        eager, slots = runs["eager"], runs["slots"]
+        assert eager.token_ids == slots.token_ids
+        assert eager.log.column("proposed").tolist() == slots.log.column("proposed").tolist()
+        if sampling.greedy:
+            assert eager.token_ids == plain.token_ids
+        proposed = slots.log.column("proposed")
+        drafted = slots.engine["drafted_rounds"]
+        assert 0 < drafted < slots.rounds // 2  # it stopped drafting, and probed
+        assert int((proposed > 0).sum()) <= drafted * len(prompts)
+        conf = slots.log.confidences()  # one row per log row: the plain rounds' rows are zeros
+        assert conf.shape == (len(proposed), K) and bool((conf[proposed == 0] == 0).all())
+        assert bool((conf[proposed > 0] == 0.9).all())
+
+
+def test_without_the_gate_every_round_drafts(tiny_host):
+    prompts = random_prompts([5, 9], tiny_host.vocab_size, seed=11)
+    cost = CostModel.flat(100.0)
+    out = generate(tiny_host, prompts, drafter=Rejected(0), draft_length=K, max_new_tokens=12,
+                   verifier=build_verifier("scheduler", cost_table=cost, draft_gate=False))
+    assert out.engine["drafted_rounds"] == out.rounds
+    with pytest.raises(ValueError, match="draft_gate"):
+        build_verifier("full", draft_gate=False)
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3", "mtp", "small-lm", "ngram"])
+def test_profile_draft_times_every_drafter_and_round_trips(tiny_host, tmp_path, name):
+    drafter = build_any(name, tiny_host, tmp_path)
+    entry = profile_draft(tiny_host, drafter, batch_sizes=[2, 1], draft_length=K, context=8, repeats=2, warmup=1)
+    assert entry["batch_sizes"] == [1, 2] and all(s > 0 for s in entry["seconds"])
+    cost = CostModel.flat(50.0)
+    cost.draft[draft_key(drafter, K)] = entry
+    cost.save(tmp_path / "cost.json")
+    loaded = CostModel.load(tmp_path / "cost.json")
+    assert loaded.draft == cost.draft
+    s1, s2 = entry["seconds"]
+    assert loaded.draft_seconds(draft_key(drafter, K), 1) == pytest.approx(s1)
+    assert loaded.draft_seconds(draft_key(drafter, K), 4) == pytest.approx(s2 * 2)  # proportional past the last
+    assert loaded.draft_seconds("other/K4/0", 1) is None
+
+
+def test_a_bad_draft_entry_is_refused():
+    with pytest.raises(ValueError, match="draft cost"):
+        CostModel(tokens=[1], sps=[10.0], draft={"x/K1/0": {"batch_sizes": [2, 1], "seconds": [0.1, 0.1]}})
+    with pytest.raises(ValueError, match="draft cost"):
+        CostModel(tokens=[1], sps=[10.0], draft={"x/K1/0": {"batch_sizes": [1], "seconds": [0.0]}})
+
+
+def test_draft_key_tells_drafters_of_other_sizes_apart(tiny_host, tmp_path):
+    small, other = build_any("dspark", tiny_host, tmp_path), build_any("eagle3", tiny_host, tmp_path)
+    assert draft_key(small, 4) != draft_key(small, 5)
+    assert draft_key(small, 4).split("/")[2] != "0" and draft_key(other, 4).startswith("eagle3/K4/")
+
+
+class EveryThird(VerifyAll):
+    """Verify-all that drafts only every third round (a fixed, non-anticipating gate)."""
+
+    def begin(self, *, batch_size: int) -> None:
+        self.rounds = 0
+
+    def draft_next(self) -> bool:
+        return self.rounds % 3 == 0
+
+    def after_round(self, **_) -> None:
+        self.rounds += 1
+
+
+@pytest.mark.parametrize("name", ["dspark", "dflash", "eagle3", "mtp", "small-lm", "ngram"])
+def test_every_drafter_survives_plain_rounds(tiny_host, tmp_path, name):
+    """Skipped proposes leave every drafter's state right: exact greedy output, and the engines agree at T = 1."""
+    drafter = build_any(name, tiny_host, tmp_path)
+    prompts = random_prompts([6, 3, 9], tiny_host.vocab_size, seed=4)
+    plain = generate(tiny_host, prompts, max_new_tokens=16)
+    for sampling in (SamplingConfig(), T1):
+        runs = [generate(tiny_host, prompts, drafter=drafter, verifier=EveryThird(), draft_length=K,
+                         max_new_tokens=16, sampling=sampling, engine=engine, seeds=[1, 2, 3])
+                for engine in ("eager", "slots")]
+        assert runs[0].token_ids == runs[1].token_ids
+        if sampling.greedy:
+            assert runs[0].token_ids == plain.token_ids
+        assert runs[1].engine["drafted_rounds"] == -(-runs[1].rounds // 3)
+
+
+def test_small_lm_keeps_no_stale_draft_keys_across_a_plain_round(tiny_host, tmp_path):
+    """A rejected draft's keys sit past the committed end; a later round without a propose commits tokens over
+    those positions and must not count the stale keys as theirs."""
+    from dspark.engine.protocol import DraftState
+
+    drafter = build_any("small-lm", tiny_host, tmp_path)
+    c = 6
+    seq = torch.tensor([random_prompts([c], tiny_host.vocab_size, seed=1)[0] + [0] * 20])
+    state = DraftState(seq=seq, seq_len=torch.tensor([c]), seeds=torch.zeros(1, dtype=torch.long),
+                       rounds=torch.zeros(1, dtype=torch.long), sampling=SamplingConfig())
+    drafter.begin(host=tiny_host, batch_size=1, max_len=seq.shape[1])
+    drafted = drafter.propose(state, K).tokens  # feeds positions < c, drafts keys at c .. c+K-2
+    seq[0, c] = (int(drafted[0, 0]) + 1) % tiny_host.vocab_size  # the host rejects x1: another token at c
+    drafter.observe(features=None, start=torch.tensor([c - 1]), n_valid=torch.tensor([1]), state=state)
+    state.seq_len += 1
+    assert int(drafter.cache.lengths[0]) == c  # position c not fed yet
+    seq[0, c + 1] = 5  # a plain round commits the next token: no propose in between
+    drafter.observe(features=None, start=torch.tensor([c]), n_valid=torch.tensor([1]), state=state)
+    assert int(drafter.cache.lengths[0]) == c  # not c + 1: the key at c is the rejected draft's
