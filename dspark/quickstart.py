@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ class QuickstartConfig:
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda"})
     report_to: Literal["none", "wandb", "tensorboard"] = field(default="none", metadata={"help": "training tracker"})
     seed: int = field(default=0, metadata={"help": "seed of training and decoding"})
+    drafter_path: Optional[str] = field(default=None, metadata={
+        "help": "reuse this trained drafter (a checkpoint, or an earlier run's OUTPUT/drafter) instead of training "
+                "one: steps 3 and 4 only"})
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def _say(step: int, total: int, text: str) -> None:
 
 def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
     """Run every stage; returns the report path."""
-    from dspark.api import encode_prompts, load_host, resolve_device
+    from dspark.api import checkpoint_dir, encode_prompts, load_host, resolve_device
     from dspark.training.data import load_conversations, prompts
     from dspark.engine.decode import generate
     from dspark.metrics import summarize
@@ -108,11 +111,15 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
     _say(1, total, f"loading host {cfg.host} on {device}")
     host = load_host(cfg.host, device=device, dtype=torch.float32)  # fp32: decoding here is checked lossless
 
-    _say(2, total, f"training a {size.num_layers}-layer DSpark drafter for {size.max_steps} steps on "
-                   f"{size.train_conversations} ShareGPT conversations -> {out / 'drafter'}")
-    train_cfg = training_config(size, output=str(out / "drafter"), host=cfg.host, report_to=cfg.report_to,
-                                seed=cfg.seed)
-    checkpoint = train(train_cfg, host=host)
+    if cfg.drafter_path:
+        checkpoint = checkpoint_dir(cfg.drafter_path)
+        _say(2, total, f"reusing the trained drafter {checkpoint} (no training)")
+    else:
+        _say(2, total, f"training a {size.num_layers}-layer DSpark drafter for {size.max_steps} steps on "
+                       f"{size.train_conversations} ShareGPT conversations -> {out / 'drafter'}")
+        train_cfg = training_config(size, output=str(out / "drafter"), host=cfg.host, report_to=cfg.report_to,
+                                    seed=cfg.seed)
+        checkpoint = train(train_cfg, host=host)
     host.model.to(device=device, dtype=torch.float32)  # training may have moved/cast nothing, but be explicit
     drafter = load_drafter(checkpoint, host)
 
@@ -143,7 +150,9 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
                           **parts)
         reference = reference or result.token_ids
         row = {"method": name, **summarize(result, draft_length=0 if parts["drafter"] is None else DRAFT_LENGTH),
-               "lossless": result.token_ids == reference}
+               "lossless": result.token_ids == reference,
+               "drafted_rounds": f"{result.engine.get('drafted_rounds', result.rounds)}/{result.rounds}"
+               if parts["drafter"] is not None else "–"}
         rows.append(row)
         print(f"    {name:18s} tau {row['tau']:.2f}  {row['tokens_per_s']:.1f} tok/s  lossless={row['lossless']}",
               flush=True)
@@ -192,19 +201,25 @@ def write_report(out: Path, cfg: QuickstartConfig, size: Size, rows: list[dict],
 
     table = markdown_table(rows, [("method", "method"), ("tau", "τ"), ("accepted_per_round", "accepted/round"),
                                   ("verify_rate", "verify rate"), ("verified_token_savings", "verified-token savings"),
-                                  ("tokens_per_s", "tokens/s"), ("speedup", "× plain"), ("lossless", "= plain")])
+                                  ("tokens_per_s", "tokens/s"), ("speedup", "× plain"), ("lossless", "= plain"),
+                                  ("drafted_rounds", "rounds drafted")])
     lines = [
         "# dspark quickstart report", "",
         f"`{command}` — {env['date']}, {env['gpu'] or env['processor']} ({env['cpu_threads']} threads), torch "
         f"{env['torch']}, transformers {env['transformers']}; total {seconds / 60:.1f} min.", "",
-        f"Host {cfg.host}; DSpark drafter ({size.num_layers} layers, γ = {DRAFT_LENGTH}) trained {size.max_steps} "
-        f"steps on {size.train_conversations} ShareGPT conversations (`{checkpoint}`); greedy decoding of "
+        f"Host {cfg.host}; " + (f"the DSpark drafter at `{checkpoint}` (reused, γ = {DRAFT_LENGTH}); "
+                                if cfg.drafter_path else
+                                f"DSpark drafter ({size.num_layers} layers, γ = {DRAFT_LENGTH}) trained "
+                                f"{size.max_steps} steps on {size.train_conversations} ShareGPT conversations "
+                                f"(`{checkpoint}`); ") + "greedy decoding of "
         f"{rows[0]['requests']} held-out ShareGPT prompts, {size.max_new_tokens} new tokens, batch "
-        f"{size.eval_batch}. τ counts the bonus token; speeds come from this one run.", "",
+        f"{size.eval_batch}. τ counts the bonus token; speeds come from this one run. The scheduler skips the draft "
+        f"forward while speculation does not pay (its rounds drafted column).", "",
         table, "",
         "![acceptance and throughput](report.png)", "",
-        "![training curve](drafter/training_curve.png)", "",
     ]
+    if not cfg.drafter_path:
+        lines += ["![training curve](drafter/training_curve.png)", ""]
     if cfg.size == "ci":
         lines += ["Size `ci` checks the pipeline; its drafter is barely trained, so τ is not meaningful.", ""]
     report = out / "report.md"

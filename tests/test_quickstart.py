@@ -26,3 +26,14 @@ def test_quickstart_ci_size_writes_its_report(tmp_path, capsys):
     for png in (out / "report.png", out / "drafter" / "training_curve.png"):
         assert png.read_bytes()[:4] == b"\x89PNG"
     assert (out / "cost.json").exists()
+    cost = json.loads((out / "cost.json").read_text())
+    assert len(cost["draft"]) == 1 and next(iter(cost["draft"])).startswith("dspark/K7/")  # the gate's price
+    drafted, rounds = map(int, rows["dspark+scheduler"]["drafted_rounds"].split("/"))
+    assert 0 < drafted <= rounds and rows["dspark"]["drafted_rounds"].split("/")[0] == str(rows["dspark"]["rounds"])
+
+    again = tmp_path / "again"  # steps 3 and 4 only, with the drafter just trained
+    assert main(["quickstart", "--size", "ci", "--output", str(again), "--device", "cpu",
+                 "--drafter-path", str(out / "drafter")]) == 0
+    assert "reusing the trained drafter" in capsys.readouterr().out and not (again / "drafter").exists()
+    reused = {r["method"]: r for r in json.loads((again / "report.json").read_text())["results"]}
+    assert reused["dspark"]["tau"] == rows["dspark"]["tau"]  # the same drafter, the same greedy rounds
