@@ -88,7 +88,8 @@ class GenerateOptions:
 
 @dataclass
 class EvalOptions:
-    data: str = field(default="sharegpt", metadata={"help": "sharegpt, humaneval, a .jsonl file or a datasets dir"})
+    data: str = field(default="sharegpt", metadata={
+        "help": "sharegpt, humaneval, champ (math), a .jsonl file or a datasets dir"})
     split: Optional[Literal["train", "heldout", "all"]] = field(default=None, metadata={
         "help": "which split's prompts. Default: heldout; for `dspark calibrate` train, so that a calibration never "
                 "fits on the held-out prompts `dspark eval` scores (and then loads that calibration for)"})
@@ -637,8 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     tune_cpu_allocator()  # CPU training steps 1.26x faster on glibc (benchmarks/cpu_allocator.py)
     try:
         return COMMANDS[command](rest) if command in COMMANDS else plugins[command].load()(rest)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        # clear one-line errors for bad input; set DSPARK_TRACEBACK=1 to see the stack
+    except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError) as error:
+        # clear one-line errors for bad input and for a data set's missing package (its message says what to pip
+        # install); set DSPARK_TRACEBACK=1 to see the stack
         import os
 
         if os.environ.get("DSPARK_TRACEBACK"):

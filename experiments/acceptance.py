@@ -4,16 +4,16 @@ before and after STS (Figure 6).
 
     dspark experiment acceptance --host smollm2 --drafters dspark dflash eagle3 \\
         --drafter-paths dspark=ckpt/dspark dflash=ckpt/dflash eagle3=ckpt/eagle3 \\
-        --domains chat=sharegpt code=humaneval --draft-length 7 --num-prompts 64 --out-dir results/acceptance
+        --domains chat=sharegpt code=humaneval math=champ --draft-length 7 --num-prompts 64 --out-dir results/acceptance
 
 One verify-all decode per drafter and domain (every position up to the first rejection is reached, which both the
 per-position estimates and STS need). Calibration splits the requests: STS is fitted on the first 1 - holdout of
 them and the before / after metrics are measured on the rest (by request, not by round: one response's rounds are
 correlated); holdout 0 fits and reports on all of them (optimistic, flagged). The conditional view scores c_k
 against "x_k accepted given x_<k accepted", the survival view a_k = Π c_i against "x_1..x_k all accepted".
-Writes OUT_DIR/acceptance.json (`rows`), acceptance.md, acceptance.png (conditional acceptance and survival per
-position), calibration.png (survival ECE per position before / after STS), reliability_METHOD_DOMAIN.png, and
-trace_METHOD_DOMAIN.json per decode for `dspark experiment simulate`.
+Writes OUT_DIR/acceptance.json (`rows`, `domains`), acceptance.md, acceptance.png (conditional acceptance and
+survival per position), calibration.png (survival ECE per position before / after STS),
+reliability_METHOD_DOMAIN.png, and trace_METHOD_DOMAIN.json per decode for `dspark experiment simulate`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class AcceptanceOptions:
     drafters: list[str] = field(default_factory=lambda: ["dspark", "dflash", "ngram"], metadata={
         "help": "drafter names"})
     domains: dict[str, str] = field(default_factory=dict, metadata={
-        "help": "NAME=SOURCE prompt sources per domain (default chat=sharegpt code=humaneval)"})
+        "help": "NAME=SOURCE prompt sources per domain (default chat=sharegpt code=humaneval math=champ)"})
     draft_length: int = field(default=7, metadata={"help": "gamma"})
     concurrency: int = field(default=8, metadata={"help": "requests in flight"})
     holdout: float = field(default=0.5, metadata={
@@ -184,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     h, run, opts = parse([HostOptions, RunOptions, AcceptanceOptions], argv, prog="dspark experiment acceptance")
     host = _host(h)
+    domains = parse_domains(opts.domains)
     prompts = {d: load_prompts(host, source, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
-               for d, source in parse_domains(opts.domains).items()}
+               for d, source in domains.items()}
     doc = envelope("acceptance", argv=argv, host=host, options=[h, run, opts])
+    doc["domains"] = domains  # the prompt source of each domain, defaults included
     doc["rows"] = measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir))
     path = write_result(doc, run.out_dir, render)
     print(f"wrote {path}")

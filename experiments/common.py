@@ -23,9 +23,10 @@ from dspark.engine.results import GenerationResult
 from dspark.engine.sampling import SamplingConfig
 from dspark.metrics import summarize
 
-#: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). No math
-#: set is installed here: `champ-dataset` (MODELS_AND_DATA.md) is not, so math needs `math=FILE.jsonl`.
-DEFAULT_DOMAINS = {"chat": "sharegpt", "code": "humaneval"}
+#: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). Math is
+#: CHAMP's 270 problems from the `champ-dataset` wheel (the `math` extra, installed by scripts/bootstrap.sh); without
+#: it a host with a tokenizer stops with "pip install champ-dataset" (or pass --domains without math).
+DEFAULT_DOMAINS = {"chat": "sharegpt", "code": "humaneval", "math": "champ"}
 #: row keys copied from dspark.metrics.summarize (per-position lists included)
 ROW_METRICS = ("tau", "tau_ci95", "accepted_per_round", "proposed_per_round", "verified_per_round", "verify_rate",
                "verified_token_savings", "tokens_per_s", "requests", "new_tokens", "request_rounds", "seconds",
@@ -62,8 +63,9 @@ def random_prompts(n: int, vocab: int, *, key: str, seed: int) -> list[list[int]
 
 
 def load_prompts(host, source: str, n: int, *, seed: int = 0, max_prompt_length: int = 512) -> list[list[int]]:
-    """Token ids of n prompts from `source` (sharegpt, humaneval, a .jsonl file, ...), or random ids when the host
-    has no tokenizer (random hosts). ShareGPT, the training source, gives its held-out split; others all prompts."""
+    """Token ids of n prompts from `source` (sharegpt, humaneval, champ, a .jsonl file, ...), or random ids when the
+    host has no tokenizer (random hosts). ShareGPT, the training source, gives its held-out split; the eval-only
+    sets (humaneval, champ) and files all their prompts."""
     if n < 1:
         raise ValueError(f"need at least one prompt, got num_prompts={n}")
     if host.tokenizer is None:

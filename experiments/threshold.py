@@ -2,14 +2,14 @@
 verified drafts per step and the acceptance rate of verified drafts, per domain.
 
     dspark experiment threshold --host smollm2 --drafter dspark --drafter-paths dspark=ckpt/dspark \\
-        --domains chat=sharegpt code=humaneval math=math.jsonl --thresholds 0 0.2 0.4 0.6 0.8 --out-dir results/thr
+        --domains chat=sharegpt code=humaneval math=champ --thresholds 0 0.2 0.4 0.6 0.8 --out-dir results/thr
 
 Policy: the 'threshold' verifier on cumulative survival a_k = Π c_i (with the checkpoint's STS calibration when it
 has one): verify the drafts before the first a_k below the threshold; threshold 0 is verify-all. Per step means
 per request-round: accepted = accepted drafts, rejected = verified - accepted (the first rejected draft and the
 verified ones after it). Acceptance rate = accepted / verified. Domains map a name to a prompt source; default
-chat=sharegpt, code=humaneval. No math set is installed here (champ-dataset is not): pass math=FILE.jsonl.
-Writes OUT_DIR/threshold.json (`rows`), threshold.md and threshold.png (one panel per domain).
+chat=sharegpt, code=humaneval, math=champ (CHAMP's competition problems: pip install champ-dataset).
+Writes OUT_DIR/threshold.json (`rows`, `domains`), threshold.md and threshold.png (one panel per domain).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class ThresholdOptions:
     thresholds: list[float] = field(default_factory=lambda: [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
                                     metadata={"help": "survival thresholds in [0, 1]"})
     domains: dict[str, str] = field(default_factory=dict, metadata={
-        "help": "NAME=SOURCE prompt sources per domain (default chat=sharegpt code=humaneval)"})
+        "help": "NAME=SOURCE prompt sources per domain (default chat=sharegpt code=humaneval math=champ)"})
     draft_length: int = field(default=7, metadata={"help": "gamma"})
     concurrency: int = field(default=8, metadata={"help": "requests in flight"})
     engine: str = field(default="static-batch", metadata={"help": "decode backend (experiments.common)"})
@@ -95,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     h, run, opts = parse([HostOptions, RunOptions, ThresholdOptions], argv, prog="dspark experiment threshold")
     host = _host(h)
+    domains = parse_domains(opts.domains)
     prompts = {d: load_prompts(host, source, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
-               for d, source in parse_domains(opts.domains).items()}
+               for d, source in domains.items()}
     doc = envelope("threshold", argv=argv, host=host, options=[h, run, opts])
+    doc["domains"] = domains  # the prompt source of each domain, defaults included
     doc["rows"] = measure(host, run, opts, prompts=prompts)
     path = write_result(doc, run.out_dir, render)
     print(f"wrote {path}")

