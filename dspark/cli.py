@@ -91,8 +91,9 @@ class EvalOptions:
     data: str = field(default="sharegpt", metadata={
         "help": "sharegpt, humaneval, champ (math), a .jsonl file or a datasets dir"})
     split: Optional[Literal["train", "heldout", "all"]] = field(default=None, metadata={
-        "help": "which split's prompts. Default: heldout; for `dspark calibrate` train, so that a calibration never "
-                "fits on the held-out prompts `dspark eval` scores (and then loads that calibration for)"})
+        "help": "which split's prompts. Default: heldout (all of an evaluation set, humaneval or champ, that the "
+                "drafter did not train on); for `dspark calibrate` train, so that a calibration never fits on the "
+                "held-out prompts `dspark eval` scores (and then loads that calibration for)"})
     heldout_fraction: Optional[float] = field(default=None, metadata={
         "help": "share of the conversations in the held-out split. Default: the value the drafter was trained with "
                 "(its checkpoint's trainer_state.json) when it was trained on this --data, else 0.02; another value "
@@ -253,12 +254,15 @@ def resolve_split(d: DecodeOptions, e: EvalOptions, *, default_split: str = "hel
     trained on this --data (else dspark's default), so its held-out prompts are ones it never saw in training."""
     from dataclasses import replace
 
-    from dspark.training.data import HELDOUT_FRACTION
+    from dspark.training.data import EVAL_SETS, HELDOUT_FRACTION
 
     if e.heldout_fraction is not None and not 0.0 <= e.heldout_fraction < 1.0:
         raise ConfigError(f"--heldout-fraction must be in [0, 1), got {e.heldout_fraction}")
     split = e.split or default_split
     trained = trained_split(d.drafter_path) if d.drafter_path and d.drafter not in ("ngram", "small-lm") else None
+    if (e.split is None and default_split == "heldout" and e.data in EVAL_SETS
+            and not (trained is not None and _same_source(trained["data"], e.data))):
+        split = "all"  # an evaluation set the drafter never trained on is held out whole
     fraction = e.heldout_fraction
     if trained is not None and _same_source(trained["data"], e.data):
         if fraction is not None and fraction != trained["heldout_fraction"] and split != "all":

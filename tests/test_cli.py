@@ -218,3 +218,14 @@ def test_concurrency_flag_decodes_continuously_with_the_same_tokens(host_dir, ca
     assert continuous["outputs"] == static["outputs"]
     assert main([*base, "--concurrency", "2", "--batch-size", "2"]) == 1
     assert "exclude each other" in capsys.readouterr().err
+
+
+def test_eval_scores_all_of_an_evaluation_set_the_drafter_did_not_train_on(trained):
+    from dspark.cli import DecodeOptions, EvalOptions, resolve_split
+
+    d = DecodeOptions(drafter_path=trained["output"])
+    assert resolve_split(d, EvalOptions(data="humaneval")).split == "all"
+    assert resolve_split(DecodeOptions(drafter="ngram"), EvalOptions(data="champ")).split == "all"
+    assert resolve_split(d, EvalOptions(data="humaneval", split="heldout")).split == "heldout"  # asked for
+    assert resolve_split(d, EvalOptions(data="humaneval"), default_split="train").split == "train"  # calibrate
+    assert resolve_split(d, EvalOptions(data=trained["data"])).split == "heldout"  # its own training data

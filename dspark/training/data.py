@@ -50,6 +50,9 @@ OnError = Literal["skip", "raise"]
 #: default share of conversations in the held-out split; a trained drafter's own value is in its checkpoint's
 #: trainer_state.json, and `dspark eval` uses that one
 HELDOUT_FRACTION = 0.02
+#: evaluation sets (prompts only, no responses to train on): `dspark eval` scores all of one by default unless the
+#: drafter was trained on it, where its held-out split (2 % of HumanEval is 3 prompts) would say almost nothing
+EVAL_SETS = ("humaneval", "champ")
 
 ROLES = {
     "user": "user", "human": "user",
