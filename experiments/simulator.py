@@ -17,6 +17,9 @@ The step lasts 1 / SPS(B) with B = Σ (1 + ell) over the live requests, plus `dr
 request that reaches its logged new_tokens leaves and the next one enters at the following step. Throughput =
 tokens / simulated seconds; per-request speed = tokens / (leave - enter), averaged over requests.
 
+The schedulers' draft gate is replayed too: a step it skips is plain (no draft_ms, nothing verified, the
+request's logged round kept for its next drafted step), priced by the gate with `draft_ms`.
+
 Approximations, stated: rounds are replayed as logged, so a policy that verifies fewer drafts does not change what
 is drafted next (in a real decode the next round starts elsewhere); drafting cost is one constant per step; the
 lagged scheduler's history restarts whenever the set of live requests changes. The GPU check of these predictions
@@ -88,6 +91,10 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     verified_sum = accepted_sum = request_rounds = 0
     speeds: list[float] = []
     members: tuple = ()
+    gate = getattr(policy, "gate", None)  # the schedulers' draft gate, priced with this replay's draft_ms
+    if gate is not None:
+        gate.begin()
+        gate.fixed_draft_s = draft_ms / 1000.0
     while waiting or live:
         while waiting and len(live) < concurrency:
             live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
@@ -99,7 +106,8 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
         picks = [s.trace for s in live]
         index = [s.round % len(t["accepted"]) for s, t in zip(live, picks)]
         logged_acc = torch.tensor([t["accepted"][j] for t, j in zip(picks, index)])  # (R,)
-        if policy is None:
+        drafting = policy is not None and policy.draft_next()
+        if not drafting:  # plain decoding, or a round the draft gate skipped
             ell = torch.zeros(R, dtype=torch.long)
         else:
             proposed = torch.tensor([t["proposed"][j] for t, j in zip(picks, index)])  # (R,)
@@ -109,8 +117,11 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
             ell = torch.minimum(policy.lengths(proposal, K).clamp(0, K), proposed)  # (R,)
         accepted = torch.minimum(ell, logged_acc)  # (R,)
         B = int((ell + 1).sum())
-        now += 1.0 / float(cost(B)) + (draft_ms / 1000.0 if policy is not None else 0.0)
+        now += 1.0 / float(cost(B)) + (draft_ms / 1000.0 if drafting else 0.0)
         steps += 1
+        if policy is not None:
+            policy.after_round(slots=R, rows=R, width=int(ell.max()), drafted=drafting,
+                               committed=int(accepted.sum()) + R)
         verified_sum += int(ell.sum())
         accepted_sum += int(accepted.sum())
         request_rounds += R
@@ -118,7 +129,7 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
         for s, a in zip(live, accepted.tolist()):
             take = min(a + 1, s.trace["new_tokens"] - s.tokens)
             s.tokens += take
-            s.round += 1
+            s.round += drafting  # a plain step used none of the logged drafts
             total_tokens += take
             if s.tokens >= s.trace["new_tokens"]:
                 speeds.append(s.tokens / (now - s.start))

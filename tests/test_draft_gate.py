@@ -116,6 +116,11 @@ def test_gated_decoding_is_exact_and_both_engines_decide_alike(tiny_host):
                 for engine in ("eager", "slots")}
         eager, slots = runs["eager"], runs["slots"]
         assert eager.token_ids == slots.token_ids
+        halves = [generate(tiny_host, prompts, drafter=Rejected(never), verifier=gated(1.0), draft_length=K,
+                           max_new_tokens=20, sampling=sampling, engine=engine, seeds=[3, 4, 5, 6], batch_size=2)
+                  for engine in ("eager", "slots")]  # two static batches: the gate carries over, alike
+        assert halves[0].token_ids == halves[1].token_ids
+        assert halves[0].log.column("proposed").tolist() == halves[1].log.column("proposed").tolist()
         assert eager.log.column("proposed").tolist() == slots.log.column("proposed").tolist()
         if sampling.greedy:
             assert eager.token_ids == plain.token_ids

@@ -293,6 +293,20 @@ def test_simulator_matches_hand_computation():
     assert one["per_request_tokens_per_s"] == pytest.approx(4 * 50.0)
 
 
+def test_simulator_replays_the_draft_gate():
+    """Drafts never accepted at a 10 ms draft step on a 20 ms verify: the gated scheduler stops drafting and comes
+    close to plain decoding; without the gate every step pays the draft."""
+    flat = CostModel.flat(50.0)
+    trace = _trace([0] * 8, [[0.99, 0.99, 0.99]] * 8, new_tokens=64, n=2)
+    plain = simulate(trace, policy=None, concurrency=2, cost=flat, requests=2)
+    gated = simulate(trace, policy=build_verifier("scheduler", cost_table=flat), concurrency=2, cost=flat,
+                     requests=2, draft_ms=10.0)
+    always = simulate(trace, policy=build_verifier("scheduler", cost_table=flat, draft_gate=False), concurrency=2,
+                      cost=flat, requests=2, draft_ms=10.0)
+    assert always["tokens_per_s"] == pytest.approx(plain["tokens_per_s"] * 20 / 30)
+    assert gated["tokens_per_s"] > 0.95 * plain["tokens_per_s"]
+
+
 def test_simulate_cli_and_report(acceptance_dir, concurrency_dir, cost_path, tmp_path):
     out = tmp_path / "results"
     run("experiment", "simulate", "--traces", str(acceptance_dir / "trace_dspark_chat.json"), "--cost-table",

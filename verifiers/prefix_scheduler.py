@@ -139,9 +139,13 @@ class DraftGate:
             raise ValueError(f"need 0 < smoothing <= 1 and max_wait >= 1, got {smoothing}, {max_wait}")
         self.cost, self.smoothing, self.max_wait = cost, smoothing, max_wait
         self.key: str | None = None
+        self.fixed_draft_s: float | None = None  # a draft price given directly (the replay simulator's)
         self.begin()
 
     def bind(self, *, drafter, K: int) -> None:
+        """Start over for a decode of `drafter` at K (once per generate call: what the gate learnt carries over
+        from one static batch to the next, as the workload does)."""
+        self.begin()
         self.key = draft_key(drafter, K)
         draft = getattr(self.cost, "draft", {})
         if K and self.key not in draft:
@@ -169,7 +173,9 @@ class DraftGate:
         self.drafted_rounds += 1
         if rows == 0:
             return
-        draft_s = getattr(self.cost, "draft_seconds", lambda *_: None)(self.key, slots) if self.key else None
+        draft_s = self.fixed_draft_s
+        if draft_s is None and self.key is not None:
+            draft_s = getattr(self.cost, "draft_seconds", lambda *_: None)(self.key, slots)
         gain = (committed / rows) * self._seconds(slots) / (self._seconds(slots * (width + 1)) + (draft_s or 0.0))
         fresh = self.gain is None or self.probing
         self.gain = gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain
@@ -211,10 +217,6 @@ class PrefixScheduler(_Gated):
     def __init__(self, cost: SPS, *, calibrator: STSCalibrator | None = None, gate: bool = True) -> None:
         self.cost, self.calibrator = cost, calibrator
         self._init_gate(cost, gate)
-
-    def begin(self, *, batch_size: int) -> None:
-        if self.gate is not None:
-            self.gate.begin()
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:
         a = survival(calibrated_confidence(proposal, K, self.calibrator))  # (R, K)
@@ -259,8 +261,6 @@ class LaggedCapacityScheduler(_Gated):
 
     def begin(self, *, batch_size: int) -> None:
         self.history.clear()
-        if self.gate is not None:
-            self.gate.begin()
 
     def select(self, rows: torch.Tensor) -> None:
         self.history = deque(((a[rows], None if limit is None else limit[rows]) for a, limit in self.history),
