@@ -45,8 +45,8 @@ def _driver(tmp_path, monkeypatch, **env):
 
 def _summary(tau: float, sums: list[int], rounds: list[int]) -> dict:
     return {"tau": tau, "tau_ci95": [tau - 0.1, tau + 0.1],
-            "conditional_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], "per_request_tau_sum": sums, "per_request_rounds": rounds, "accepted_per_round": tau - 1,
-            "verify_rate": 0.5, "tokens_per_s": 100.0}
+            "conditional_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], "per_request_tau_sum": sums,
+            "per_request_rounds": rounds, "accepted_per_round": tau - 1, "verify_rate": 0.5, "tokens_per_s": 100.0}
 
 
 def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):

@@ -85,9 +85,10 @@ STEPS, BATCH and seed.
 
 Doubtful: every time above (no GPU measurement on this host); whether the 152k vocabulary fits in memory at batch
 4 x 2048 (SmolLM2's peaks were 23.9 GiB DSpark, 27.3 GiB EAGLE-3; scaling the vocabulary-sized tensors by 3.1x and
-the hidden-sized ones by 2.7x suggests 60-90 GiB of the H200's 139: likely, unmeasured); transformers 5.17's GGUF reader for qwen2 (only 5.24/5.25 were tried, on the CPU); the
-prompt mix's coding / general split is a keyword regex (3,376 of the 15,472 train-split first turns of <= 2,000
-characters match it; a few of the picked prompts exceed 512 tokens and are skipped by `regenerate`).
+the hidden-sized ones by 2.7x suggests 60-90 GiB of the H200's 139: likely, unmeasured); transformers 5.17's GGUF
+reader for qwen2 (only 5.24/5.25 were tried, on the CPU); the prompt mix's coding / general split is a keyword regex
+(3,376 of the 15,472 train-split first turns of <= 2,000 characters match it; a few of the picked prompts exceed 512
+tokens and are skipped by `regenerate`).
 """
 from __future__ import annotations
 
