@@ -157,7 +157,6 @@ class DraftGate:
     def begin(self) -> None:
         self.gain: float | None = None  # smoothed gain of speculating over plain decoding
         self.wait, self.skip_left, self.probing = 1, 0, False
-        self.drafted_rounds = self.skipped_rounds = 0
 
     def draft_next(self) -> bool:
         return self.skip_left == 0
@@ -168,9 +167,7 @@ class DraftGate:
     def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
         if not drafted:
             self.skip_left = max(0, self.skip_left - 1)
-            self.skipped_rounds += 1
             return
-        self.drafted_rounds += 1
         if rows == 0:
             return
         draft_s = self.fixed_draft_s
