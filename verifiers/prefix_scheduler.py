@@ -30,6 +30,7 @@ second, or a 1-D table indexed by M (table[M] = SPS(M); index 0 unused).
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -125,19 +126,24 @@ class DraftGate:
     plus the drafter's own step, both from the cost table (`CostModel.draft`, from `profile_draft`). Plain decoding
     would have committed one token per live row in t_v(R). So gain = (c / rows)·t_v(R) / (t_v(R·(L + 1)) + t_d(R)),
     smoothed over a streak of drafted rounds (exponential moving average, weight `smoothing` on the newest).
-    While gain <= 1, the next `wait` rounds are plain: no draft forward, nothing verified. Then one round drafts
-    again as a probe and is judged on its own. Each failed probe doubles the wait, up to `max_wait`; a probe that
-    pays resumes drafting every round.
+    While gain <= 1, the next rounds are plain: no draft forward, nothing verified. Then one round drafts again as
+    a probe and is judged on its own; a probe that pays resumes drafting every round. The wait after a failure is
+    the longer of two: one that doubles with each failed probe (1, 2, 4, ... up to `max_wait` rounds), and the
+    one that keeps probing within `probe_budget` of the time: a probe costs what the failed round cost beyond a
+    plain round, t_v(R·(L + 1)) + t_d(R) - t_v(R), so it waits that over probe_budget·t_v(R) rounds (a drafter
+    that costs two plain steps, as the quickstart's 2-layer DSpark does on a 2-core CPU, is probed about every
+    100 rounds at the default 2 %).
 
     Lossless: whether a round drafts depends only on the counts of finished rounds, never on drafts not yet made,
     and a plain round is an ordinary round with nothing proposed. The price uses realised acceptance, not
     confidences, so it needs no calibration and works for drafters without a confidence head.
     """
 
-    def __init__(self, cost: SPS, *, smoothing: float = 0.3, max_wait: int = 64) -> None:
-        if not 0.0 < smoothing <= 1.0 or max_wait < 1:
-            raise ValueError(f"need 0 < smoothing <= 1 and max_wait >= 1, got {smoothing}, {max_wait}")
-        self.cost, self.smoothing, self.max_wait = cost, smoothing, max_wait
+    def __init__(self, cost: SPS, *, smoothing: float = 0.3, max_wait: int = 64, probe_budget: float = 0.02) -> None:
+        if not 0.0 < smoothing <= 1.0 or max_wait < 1 or not 0.0 < probe_budget <= 1.0:
+            raise ValueError(f"need 0 < smoothing <= 1, max_wait >= 1 and 0 < probe_budget <= 1, got {smoothing}, "
+                             f"{max_wait}, {probe_budget}")
+        self.cost, self.smoothing, self.max_wait, self.probe_budget = cost, smoothing, max_wait, probe_budget
         self.key: str | None = None
         self.fixed_draft_s: float | None = None  # a draft price given directly (the replay simulator's)
         self.begin()
@@ -173,14 +179,17 @@ class DraftGate:
         draft_s = self.fixed_draft_s
         if draft_s is None and self.key is not None:
             draft_s = getattr(self.cost, "draft_seconds", lambda *_: None)(self.key, slots)
-        gain = (committed / rows) * self._seconds(slots) / (self._seconds(slots * (width + 1)) + (draft_s or 0.0))
+        plain, spent = self._seconds(slots), self._seconds(slots * (width + 1)) + (draft_s or 0.0)
+        gain = (committed / rows) * plain / spent
         fresh = self.gain is None or self.probing
         self.gain = gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain
         self.probing = False
         if self.gain > 1.0:
             self.wait = 1
         else:
-            self.skip_left, self.probing, self.wait = self.wait, True, min(2 * self.wait, self.max_wait)
+            amortised = math.ceil(max(spent - plain, 0.0) / (self.probe_budget * plain))
+            self.skip_left, self.probing = max(self.wait, amortised), True
+            self.wait = min(2 * self.wait, self.max_wait)
 
 
 class _Gated(Verifier):
