@@ -64,11 +64,11 @@ def test_gate_drafts_every_round_while_it_pays():
 
 def test_the_drafters_own_step_is_part_of_the_price_and_spaces_the_probes():
     # tau 2 doubles the tokens of a 10 ms verify step; a 15 ms draft makes the round cost 25 ms: 0.8x plain. A
-    # probe costs 15 ms beyond a plain round: within 2 % of the time means 15 / (0.02 * 10) = 75 plain rounds
-    assert drafted_rounds(gate_with(15.0), lambda r: 2, rounds=200) == [0, 76, 152]
+    # probe costs 15 ms beyond a plain round: within 1 % of the time means 15 / (0.01 * 10) = 150 plain rounds
+    assert drafted_rounds(gate_with(15.0), lambda r: 2, rounds=320) == [0, 151, 302]
     assert drafted_rounds(gate_with(5.0), lambda r: 2) == list(range(40))  # 15 ms for 2 tokens: 1.33x plain
-    # the doubling wait takes over once it is the longer one: a 0.5 ms draft is 2.5 rounds of budget
-    assert drafted_rounds(gate_with(0.5), lambda r: 1)[:6] == [0, 4, 8, 13, 22, 39]
+    # the doubling wait takes over once it is the longer one: a 0.45 ms draft is 4.5 (so 5) rounds of budget
+    assert drafted_rounds(gate_with(0.45), lambda r: 1, rounds=50) == [0, 6, 12, 18, 27, 44]
 
 
 def test_a_probe_that_pays_resumes_drafting_every_round():

@@ -132,14 +132,14 @@ class DraftGate:
     one that keeps probing within `probe_budget` of the time: a probe costs what the failed round cost beyond a
     plain round, t_v(R·(L + 1)) + t_d(R) - t_v(R), so it waits that over probe_budget·t_v(R) rounds (a drafter
     that costs two plain steps, as the quickstart's 2-layer DSpark does on a 2-core CPU, is probed about every
-    100 rounds at the default 2 %).
+    200 rounds at the default 1 %; the first round always drafts).
 
     Lossless: whether a round drafts depends only on the counts of finished rounds, never on drafts not yet made,
     and a plain round is an ordinary round with nothing proposed. The price uses realised acceptance, not
     confidences, so it needs no calibration and works for drafters without a confidence head.
     """
 
-    def __init__(self, cost: SPS, *, smoothing: float = 0.3, max_wait: int = 64, probe_budget: float = 0.02) -> None:
+    def __init__(self, cost: SPS, *, smoothing: float = 0.3, max_wait: int = 64, probe_budget: float = 0.01) -> None:
         if not 0.0 < smoothing <= 1.0 or max_wait < 1 or not 0.0 < probe_budget <= 1.0:
             raise ValueError(f"need 0 < smoothing <= 1, max_wait >= 1 and 0 < probe_budget <= 1, got {smoothing}, "
                              f"{max_wait}, {probe_budget}")
