@@ -60,9 +60,14 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     (module.RUN / "eval").mkdir()
     (module.RUN / "eval" / "dspark_sharegpt_T0.json").write_text(json.dumps(_summary(3.0, [9, 9, 6], [3, 3, 2])))
     (module.RUN / "eval" / "ngram_humaneval_T1.json").write_text(json.dumps(_summary(1.5, [3, 3], [2, 2])))
+    (module.RUN / "draft_cost").mkdir()  # `dspark profile --drafter-path ...`'s table: DSpark's step 4 ms at 1 row
+    (module.RUN / "draft_cost" / "dspark.json").write_text(json.dumps(
+        {"draft": {"dspark/K7/123": {"batch_sizes": [1, 16], "seconds": [0.004, 0.006]}}}))
     module.collect()
     report = json.loads((module.OUT / "results.json").read_text())
     assert report["tau"] == {"eagle3/sharegpt/T0": 2.0, "dspark/sharegpt/T0": 3.0, "ngram/humaneval/T1": 1.5}
+    assert report["draft_ms"] == {"dspark": {"1": pytest.approx(4.0), "16": pytest.approx(6.0)}}
+    assert report["accepted_per_draft_ms"] == {"dspark/sharegpt/T0": pytest.approx((3.0 - 1) / 4.0)}
     assert report["per_position"]["dspark/sharegpt/T0"] == [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
     assert report["paired"]["sharegpt_T0: dspark / eagle3"]["ratio"] == pytest.approx(3.0 / 2.0)
     assert report["train"] == {"eagle3": {"steps": 1000}}  # nothing trained here: the earlier summary stays
@@ -113,6 +118,7 @@ def test_dry_run_pipeline_writes_every_tau_key(tmp_path):
     assert all(tau >= 1.0 for tau in report["tau"].values())
     assert all(len(report["per_position"][key]) == 7 for key in KEYS)
     assert {"sharegpt_T0: dspark / eagle3", "humaneval_T1: dspark / small-lm"} <= set(report["paired"])
+    assert set(report["draft_ms"]) == {"dspark", "dflash", "eagle3", "ngram", "small-lm"}
     out = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(out) <= 8 and "sharegpt_qwen_coder_regen.jsonl.gz" in out and "results.md" in out
     # a second call finds everything done: no phase redoes work

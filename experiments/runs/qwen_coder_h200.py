@@ -237,6 +237,19 @@ def baselines() -> None:
                 base._eval("ngram", data, "--drafter", "ngram", temperature=temperature)
             if small:
                 base._eval("small-lm", data, "--drafter", "small-lm", "--drafter-path", small, temperature=temperature)
+    if small:
+        _draft_cost("small-lm", "--drafter", "small-lm", "--drafter-path", small)
+    if "ngram" in BASELINES:
+        _draft_cost("ngram", "--drafter", "ngram")
+
+
+def _draft_cost(name: str, *drafter_flags: str) -> None:
+    """The drafter's own propose step at gamma, 1 and 16 rows (`dspark profile --drafter...`), into
+    RUN/draft_cost/NAME.json, for tau per unit of draft cost (the issue's DSpark-vs-small-LM target)."""
+    out = RUN / "draft_cost" / f"{name}.json"
+    if not out.exists():
+        base.dspark("profile", "--host", HOST, *drafter_flags, "--batch-sizes", "1", "16", "--tokens-per-request", "1",
+                    "--draft-lengths", str(base.GAMMA), "--repeats", "5", "--warmup", "2", "--out", str(out))
 
 
 def evaluate() -> None:
@@ -250,14 +263,27 @@ def evaluate() -> None:
         for data in SETS:
             for temperature in TEMPERATURES:
                 base._eval(name, data, "--drafter-path", str(checkpoint_dir(RUN / name)), temperature=temperature)
+        _draft_cost(name, "--drafter-path", str(checkpoint_dir(RUN / name)))
 
 
 _TAG = re.compile(r"^(?P<drafter>.+)_(?P<set>sharegpt|humaneval)_T(?P<t>\d+(?:\.\d+)?)$")
 
 
-def results(evals: dict, train: dict, sessions: list) -> dict:
+def draft_ms(previous: dict) -> dict:
+    """{drafter: {rows: ms of its propose step at gamma}}: earlier sessions' merged with RUN/draft_cost/*.json."""
+    out = dict(previous.get("draft_ms", {}))
+    for path in sorted((RUN / "draft_cost").glob("*.json")):
+        (entry,) = json.loads(path.read_text())["draft"].values()
+        out[path.stem] = {str(r): 1000 * s for r, s in zip(entry["batch_sizes"], entry["seconds"])}
+    return out
+
+
+def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
-    acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, and what is still missing."""
+    acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, `draft_ms` (each drafter's own
+    step at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one request's draft step: tau per unit
+    of draft cost), and what is still missing."""
+    drafts = drafts or {}
     keys = {}
     for tag in evals:
         match = _TAG.match(tag)
@@ -271,6 +297,9 @@ def results(evals: dict, train: dict, sessions: list) -> dict:
         "per_position": {k: m.get("conditional_acceptance") for k, m in table.items()},
         "tokens_per_s": {k: m.get("tokens_per_s") for k, m in table.items()},
         "paired": base._paired(evals, against=("dflash", "eagle3", "ngram", "small-lm")),
+        "draft_ms": drafts,
+        "accepted_per_draft_ms": {k: (m["tau"] - 1) / drafts[k.split("/")[0]]["1"] for k, m in table.items()
+                                  if drafts.get(k.split("/")[0], {}).get("1")},
         "missing": [k for k in expected if k not in table],
         "settings": {"host": "qwen2.5-coder-1.5b", "gamma": base.GAMMA, "steps": STEPS, "prompts": PROMPTS,
                      "regenerate": REGEN, "eval": EVAL, "drafters": base.drafter_recipes(base.BACKBONE_LAYERS,
@@ -292,7 +321,7 @@ def collect() -> None:
     train = dict(previous.get("train", {}))
     trained_here = [n for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()]
     train.update({name: base._train_summary(name) for name in trained_here})
-    report = results(evals, train, previous.get("sessions", []) + [base._environment()])
+    report = results(evals, train, previous.get("sessions", []) + [base._environment()], draft_ms(previous))
     (OUT / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (OUT / "results.md").write_text(_markdown(report) + "\n" + base._table(evals, report["paired"]))
     curves = {n: Path(RECORDED).parent / f"metrics_{n}.jsonl" for n in TAU_DRAFTERS[:3]} if RECORDED else {}
