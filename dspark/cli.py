@@ -205,8 +205,9 @@ def _decode_kwargs(d: DecodeOptions, serve: ServeOptions) -> dict:
         raise ConfigError("--concurrency (continuous batching) and --batch-size (static batches) exclude each other")
     return dict(drafter=None if d.drafter == "none" and d.drafter_path else d.drafter, drafter_path=d.drafter_path,
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
-                draft_gate=d.draft_gate, draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, temperature=d.temperature,
-                top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size, concurrency=serve.concurrency)
+                draft_gate=d.draft_gate, draft_length=d.draft_length, max_new_tokens=d.max_new_tokens,
+                temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size,
+                concurrency=serve.concurrency)
 
 
 def cmd_generate(argv) -> int:
