@@ -7,6 +7,11 @@ speculative, stages, graphs, in_flight, divergence, llama8b_step_ms, llama8b_flo
 markdown table. Every run uses the same prompts (six MT-Bench first turns, repeated to fill the larger runs),
 128 new tokens, greedy; a run at concurrency C keeps C requests in flight (closed loop, dspark.engine).
 
+--compile on|off|both: the host's decode steps through torch.compile'd layers (dspark.engine.compiled) or its eager
+layers; `both` (the default) runs plain decoding and the llama-8b step both ways in this run (keys with the suffix
+`_eager_layers` hold the eager-layer numbers) and everything else compiled. Compilation is part of each run's
+warm-up (its `warmup_s`), which the tokens/s exclude.
+
 Drafters: n-gram (model-free); EAGLE-3, DFlash and DSpark are random-initialised unless --checkpoints DIR holds
 trained ones (DIR/<name>): their tau is then ~1 and the speculative rows measure the engine's overhead at that tau,
 not a trained drafter's speed-up. Never imported by the package.
@@ -105,9 +110,9 @@ def drafters_for(host, names, checkpoints: Path | None, K: int):
     return out
 
 
-def llama8b(new: int = 32) -> dict:
+def llama8b(compile: bool, new: int = 32) -> dict:
     """Random llama-8b host, bf16, concurrency 1: the plain step against its weight-read floor."""
-    host = load_host("random:llama-8b", dtype="bfloat16", device="cuda")
+    host = load_host("random:llama-8b", dtype="bfloat16", device="cuda", compile=compile)
     ids = [list(range(1, 65))]
     out = engine_run(host, ids, 1)
     step_ms = 1000 * out["seconds"] / max(1, out["rounds"] + 1)
@@ -153,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-length", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=NEW)
     ap.add_argument("--skip-llama8b", action="store_true")
+    ap.add_argument("--compile", choices=["on", "off", "both"], default="both",
+                    help="decode steps through torch.compile'd host layers; both: plain and llama-8b both ways")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
     args = ap.parse_args(argv)
     K = args.draft_length
@@ -175,6 +182,15 @@ def main(argv=None) -> int:
     result["hf_custom_generate_tok_s"] = hf_tok_s(host, ids, custom_generate=dspark.hf.speculative("ngram"))
     print(f"hf done in {time.perf_counter() - t:.0f}s", flush=True)
     runs: dict = {"plain": {}}
+    compiled = args.compile != "off"
+    if args.compile == "both":  # the eager layers first, then the compiled ones on the same host object
+        host.compile = False
+        runs["plain_eager_layers"] = {}
+        for C in args.concurrency:
+            runs["plain_eager_layers"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
+            print("plain (eager layers)", C, round(runs["plain_eager_layers"][C]["tok_s"], 1), flush=True)
+    host.compile = compiled
+    env["compile"] = args.compile
     for C in args.concurrency:
         runs["plain"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
         print("plain", C, round(runs["plain"][C]["tok_s"], 1), flush=True)
@@ -185,18 +201,24 @@ def main(argv=None) -> int:
             runs[name][C]["drafter"] = how
             print(name, C, round(runs[name][C]["tok_s"], 1), "tau", round(runs[name][C]["tau"], 2), flush=True)
     result["plain_tok_s"] = {C: r["tok_s"] for C, r in runs["plain"].items()}
+    plains = ("plain", "plain_eager_layers")
+    if "plain_eager_layers" in runs:
+        result["plain_tok_s_eager_layers"] = {C: r["tok_s"] for C, r in runs["plain_eager_layers"].items()}
     result["speculative"] = {name: {"tok_s": {C: r["tok_s"] for C, r in rs.items()},
                                     "tau": {C: r["tau"] for C, r in rs.items()},
                                     "drafter": next(iter(rs.values()))["drafter"]}
-                             for name, rs in runs.items() if name != "plain"}
+                             for name, rs in runs.items() if name not in plains}
     result["divergence"] = {name: divergence(runs["plain"][1]["tokens"], rs[1]["tokens"])
-                            for name, rs in runs.items() if name != "plain" and 1 in rs and 1 in runs["plain"]}
+                            for name, rs in runs.items() if name not in plains and 1 in rs and 1 in runs["plain"]}
     result["runs"] = {name: {C: {k: v for k, v in r.items() if k != "tokens"} for C, r in rs.items()}
                       for name, rs in runs.items()}
     del host
     torch.cuda.empty_cache()
     if not args.skip_llama8b:
-        result.update(llama8b())
+        if args.compile == "both":
+            result.update({f"{k}_eager_layers": v for k, v in llama8b(False).items()
+                           if k not in ("llama8b_weight_bytes", "copy_bandwidth_GBps")})
+        result.update(llama8b(compiled))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
@@ -212,7 +234,7 @@ def table(r: dict) -> str:
                  f"{r['hf_custom_generate_tok_s']:.1f} | | | | | | |")
     for name, rs in r["runs"].items():
         for C, x in rs.items():
-            plain = r["runs"]["plain"].get(C, {}).get("tok_s")
+            plain = r["runs"][name if name.startswith("plain") else "plain"].get(C, {}).get("tok_s")
             st = x["stage_ms_per_round"]
             split = " / ".join(f"{st.get(k, float('nan')):.2f}" for k in ("draft", "verify", "accept", "bookkeeping"))
             ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""
@@ -220,9 +242,13 @@ def table(r: dict) -> str:
                          f"{x['tau']:.2f} | {ratio} | {split} | {x['graphs']} | {x['warmup_s']:.2f} | "
                          f"{x['in_flight_fraction_until_dry']:.3f} |")
     if "llama8b_step_ms" in r:
-        lines.append(f"\nrandom llama-8b, C = 1: plain step {r['llama8b_step_ms']:.2f} ms (verify graph "
+        layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"
+        lines.append(f"\nrandom llama-8b, C = 1, {layers} layers: plain step {r['llama8b_step_ms']:.2f} ms (verify graph "
                      f"{r['llama8b_verify_ms']:.2f} ms) against a weight-read floor of {r['llama8b_floor_ms']:.2f} ms "
                      f"({r['llama8b_weight_bytes'] / 1e9:.2f} GB at {r['copy_bandwidth_GBps']:.0f} GB/s)")
+    if "llama8b_step_ms_eager_layers" in r:
+        lines.append(f"random llama-8b, C = 1, eager layers: plain step {r['llama8b_step_ms_eager_layers']:.2f} ms "
+                     f"(verify graph {r['llama8b_verify_ms_eager_layers']:.2f} ms)")
     return "\n".join(lines)
 
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers.activations import ACT2FN
 
-from dspark.engine.host import rope
 from dspark.engine.kv_cache import KVCache
+from dspark.engine.rotary import rope
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,10 @@ from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import checkpointed_chunks, chunk_rows, per_position_mean, weight_total, weighted_mean
-from dspark.engine.host import document_positions, rope
+from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.rotary import rope
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:

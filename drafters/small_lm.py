@@ -41,7 +41,7 @@ class SmallLMDrafter(Drafter):
         if model.config.vocab_size != host.vocab_size:
             raise ValueError(f"small-LM drafter vocabulary ({model.config.vocab_size} tokens) differs from the "
                              f"host's ({host.vocab_size} tokens): the drafter must share the host's tokenizer")
-        self.lm = Host(model.to(device=host.device), name="small-lm")
+        self.lm = Host(model.to(device=host.device), name="small-lm", compile=host.compile)  # as the host runs
         self.cache: KVCache | None = None
         self.drafted_end: torch.Tensor | None = None  # (B,) positions < this hold keys of committed or drafted tokens
 

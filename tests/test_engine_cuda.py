@@ -65,3 +65,19 @@ def test_plain_rounds_in_captured_runs_equal_eager(cuda_host, name, tmp_path):
                          max_new_tokens=12, sampling=sampling, seeds=[1, 2, 3, 4], engine=engine, graphs=graphs)
                 for engine, graphs in (("eager", None), ("slots", True))]
         assert runs[0].token_ids == runs[1].token_ids and 1 in runs[1].engine["widths"]
+
+
+@pytest.mark.parametrize("name", ["none", "dspark", "ngram"])
+def test_compiled_layers_in_captured_rounds_equal_eager(name, tmp_path):
+    """torch.compile'd host layers (dspark.engine.compiled) inside the captured verify graphs: greedy tokens of the
+    eager loop over the same host with its eager layers (fp32, no TF32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model("qwen2").to("cuda")
+    plain, fast = Host(model, name="eager-layers"), Host(model, name="compiled", compile=True)
+    drafter = None if name == "none" else build_any(name, plain, tmp_path)
+    if drafter is not None and isinstance(drafter, torch.nn.Module):
+        drafter = drafter.to("cuda")
+    prompts = random_prompts([5, 1, 12, 7, 3, 9], plain.vocab_size, seed=5)
+    got = generate(fast, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, concurrency=2, graphs=True)
+    want = generate(plain, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, engine="eager")
+    assert got.token_ids == want.token_ids

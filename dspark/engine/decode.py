@@ -172,7 +172,7 @@ def _prefill(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seed
     state = DraftState(seq=seq, seq_len=plen.to(device).clone(), seeds=torch.tensor(seeds, device=device),
                        rounds=torch.zeros(B, dtype=torch.long, device=device), sampling=sampling)
     out = host.step(cache, seq[:, : int(plen.max())], plen.to(device), taps=drafter.feature_layers,
-                    attend=int(plen.max()))
+                    attend=int(plen.max()), compiled=False)
     cache.advance(plen.to(device))
     last = out.hidden.gather(1, (plen.to(device) - 1).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1]))
     first_logits = host.logits(last[:, 0])  # (B, V)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dspark.engine.compiled import COMPILE_MAX_T, CompiledLayers, supported
 from dspark.engine.kv_cache import KVCache
+from dspark.engine.rotary import rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -25,14 +27,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 class StepOutput:
     hidden: torch.Tensor  # (B, T, H) after the final norm
     features: torch.Tensor | None  # (B, T, F) raw outputs of the tapped layers, concatenated; None without taps
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, D) by cos/sin (B, T, D) of its absolute positions (from the host's rotary module,
-    so theta and any scaling are the host's). The host step and every drafter rotate through this one function."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -62,7 +56,7 @@ def _bucket(n: int, size: int = 64) -> int:
 class Host:
     """A frozen causal LM with a ragged verify step, hidden-layer taps and its embedding/LM head for drafters."""
 
-    def __init__(self, model, tokenizer=None, *, name: str = "host") -> None:
+    def __init__(self, model, tokenizer=None, *, name: str = "host", compile: bool = False) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"host architecture '{config.model_type}' is not supported; supported model types: "
@@ -85,6 +79,11 @@ class Host:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.max_context = config.max_position_embeddings
         self.windows = self._sliding_windows(config)
+        # decode steps (T <= COMPILE_MAX_T) through torch.compile'd layer pieces (dspark.engine.compiled); off by
+        # default until the GPU benchmark shows it pays there (benchmarks/speed.py --compile)
+        self.compile = compile
+        if compile and supported(self) is not None:
+            raise ValueError(f"host '{name}' cannot run compiled layers: {supported(self)}")
 
     def _sliding_windows(self, config) -> list[int | None]:
         """Per-layer sliding-window size (None = full attention), as the config declares it."""
@@ -132,13 +131,15 @@ class Host:
 
     @torch.no_grad()
     def step(self, cache: KVCache, tokens: torch.Tensor, n_valid: torch.Tensor, *, taps: tuple[int, ...] = (),
-             attend: int | None = None, fused: bool | None = None) -> StepOutput:
+             attend: int | None = None, fused: bool | None = None, compiled: bool | None = None) -> StepOutput:
         """One forward of tokens (B, T) at positions cache.lengths + t; the first n_valid[b] of row b are real.
 
         Writes the KV of all T tokens (padding too, harmlessly, past the valid end) and does not advance the
         cache. `attend` (a Python int) limits attention to the first `attend` cache positions (eager speed on
         long caches); None attends over the whole cache (fixed shape, for graph capture). `fused` runs each layer
-        with fewer kernels (_fused_layer); None = on CUDA only.
+        with fewer kernels (_fused_layer); None = on CUDA only. `compiled` runs the torch.compile'd layers instead
+        (dspark.engine.compiled); None = when `self.compile` is set and the step is decode-sized (T <=
+        COMPILE_MAX_T). Prefills pass False: every prompt length would be one more compilation.
         """
         B, T = tokens.shape
         positions = cache.positions(T)  # (B, T)
@@ -153,7 +154,8 @@ class Host:
             return cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
 
         fused = tokens.device.type == "cuda" if fused is None else fused
-        return self._run(tokens, positions, key_pos, None, kv, taps, fused=fused)
+        compiled = self.compile and T <= COMPILE_MAX_T if compiled is None else compiled
+        return self._run(tokens, positions, key_pos, None, kv, taps, fused=fused, compiled=compiled)
 
     def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> StepOutput:
@@ -170,7 +172,7 @@ class Host:
             return self._run(tokens, positions, index, same_doc, lambda i, k, v: (k, v), taps, key_is_query=True)
 
     def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False,
-             fused: bool = False) -> StepOutput:
+             fused: bool = False, compiled: bool = False) -> StepOutput:
         """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v)."""
         B, T = tokens.shape
         x = self.embed_tokens(tokens)  # (B, T, H)
@@ -180,24 +182,28 @@ class Host:
         if same_doc is not None:
             causal = causal & same_doc
         masks: dict[int | None, torch.Tensor] = {}
-        tapped = []
-        for i, layer in enumerate(self.layers):
-            window = self.windows[i]
+        for window in self.windows:
             if window not in masks:
                 allowed = causal if window is None else causal & (key_pos.unsqueeze(1) > query_pos.unsqueeze(-1) - window)
                 # additive mask (0 / very negative): works with every SDPA backend and never yields NaN, since
                 # every query attends at least to its own position
                 masks[window] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
                     ~allowed, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, T, W)
-            layer_step = self._fused_layer if fused else self._layer
-            x = layer_step(i, layer, x, cos, sin, masks[window], kv)
-            if i in taps:
-                tapped.append(x)
+        if compiled:
+            hidden, tapped = self._compiled_layers().run(self, x, cos, sin, masks, kv, taps)
+        else:
+            tapped = []
+            for i, layer in enumerate(self.layers):
+                layer_step = self._fused_layer if fused else self._layer
+                x = layer_step(i, layer, x, cos, sin, masks[self.windows[i]], kv)
+                if i in taps:
+                    tapped.append(x)
+            hidden = self.final_norm(x)
         features = None
         if taps:
             order = {layer_index: n for n, layer_index in enumerate(sorted(taps))}
             features = torch.cat([tapped[order[i]] for i in taps], dim=-1)  # (B, T, F)
-        return StepOutput(hidden=self.final_norm(x), features=features)
+        return StepOutput(hidden=hidden, features=features)
 
     def _layer(self, i: int, layer, x, cos, sin, mask, kv) -> torch.Tensor:
         """Decoder layer i on x (B, T, H) through its own modules (the reference path; CPU)."""
@@ -246,6 +252,16 @@ class Host:
                 gate, up = F.linear(y, w_gu).chunk(2, dim=-1)
                 return layer.mlp.down_proj(act(gate) * up)
         return self._attend_and_mlp(i, layer, x, qk[:, :Hq], qk[:, Hq:], v, mask, kv, mlp=mlp)
+
+    def _compiled_layers(self) -> CompiledLayers:
+        """The compiled layer pieces (built on first use, rebuilt when the weights moved device or dtype)."""
+        weight = self.layers[0].self_attn.q_proj.weight
+        key = (weight.device, weight.dtype)  # as _fused_weights keys its cache
+        compiled = self.__dict__.get("_compiled")
+        if compiled is None or compiled.key != key:
+            self._fused_weights(0)  # gathers at the current device and dtype
+            compiled = self._compiled = CompiledLayers(self)
+        return compiled
 
     def _fused_weights(self, i: int):
         """(q|k|v weight, its bias or None, gate|up weight or None) of layer i, concatenated once per device and

@@ -100,7 +100,7 @@ class Slots:
         seq, plen = seq.to(device), plen_cpu.to(device)
         seeds = torch.tensor([r.seed for r in requests], device=device)
         cache = host.new_cache(n, self.max_len)
-        out = host.step(cache, seq[:, :P], plen, taps=self.drafter.feature_layers, attend=P)
+        out = host.step(cache, seq[:, :P], plen, taps=self.drafter.feature_layers, attend=P, compiled=False)
         cache.advance(plen)
         last = out.hidden.gather(1, (plen - 1).view(n, 1, 1).expand(n, 1, out.hidden.shape[-1]))
         logits = host.logits(last[:, 0])  # (n, V)

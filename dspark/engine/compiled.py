@@ -1,0 +1,115 @@
+"""Decode steps with fewer kernels: the dense math of every decoder layer through torch.compile (inductor).
+
+Shapes: B requests, T tokens in a step, H hidden size, Hq / Hkv query / key-value heads, D head dim, W cache
+positions attended.
+
+why: a small host's verify step is bound by the number of kernels it launches, not by its weights. On the H200
+the SmolLM2 step replayed as a CUDA graph took 1.9 ms for 30 layers against a 0.06 ms weight-read floor, and the
+random llama-8b step 1.7x its floor (benchmarks/h200/speed.json); a graph removes launch gaps but not kernels, and
+eagerly each layer runs ~25 (norms in float32, rotary, residual adds, SiLU times up, between five GEMMs).
+Inductor fuses that elementwise work into a few generated kernels around the GEMMs, which cuBLAS still runs.
+
+The seam between layers: layer i's output projection, residual, MLP and residual are compiled together with layer
+i + 1's input norm, q|k|v projection, q/k norms (Qwen3) and rotary (`_mid`), so a residual add and the next norm are
+one kernel; the last layer's piece ends with the final norm. Left outside the compiled pieces, between them: the
+KV-cache write (an in-place scatter into a view of the whole cache, which compiled code would copy out and back)
+and attention (SDPA, already one kernel). The pieces are compiled once per Host with static shapes (one
+compilation per step shape, shared by all layers: the weights are arguments, the sizes constants of the closure),
+so only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills of arbitrary length
+run the eager layers.
+
+Same math as Host._layer up to the rounding of fused kernels: tests/test_compiled.py compares logits and greedy
+tokens with the eager step in float32 on the CPU (where inductor generates C++).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dspark.engine.rotary import rope
+
+COMPILE_MAX_T = 16  # widest step that runs compiled by default: verify widths (K + 1 <= 16), not prefills
+# why raised: dynamo recompiles a piece per step shape (B, T, W) and by default gives up after 8, falling back to
+# eager for good; a run with several concurrencies and verify-width buckets needs more (each is one compilation)
+RECOMPILE_LIMIT = 64
+
+
+def supported(host) -> str | None:
+    """Why `host` cannot run compiled layers, or None when it can."""
+    config = host.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation '{config.hidden_act}' (compiled layers implement SiLU-gated MLPs)"
+    for layer in host.layers:
+        mlp = layer.mlp
+        if not hasattr(mlp, "gate_proj") or mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+            return "an MLP without a bias-free gate/up pair"
+    return None
+
+
+class CompiledLayers:
+    """The compiled pieces for one host, and its per-layer weights in the order the pieces take them."""
+
+    def __init__(self, host) -> None:
+        reason = supported(host)
+        if reason is not None:
+            raise ValueError(f"host '{host.name}' cannot run compiled layers: {reason}")
+        eps, Hq, Hkv, D = host.config.rms_norm_eps, host.num_heads, host.num_kv_heads, host.head_dim
+        qk_norm = host.config.model_type == "qwen3"
+
+        def rms(x, weight):  # as transformers' RMSNorm: normalise in float32, back to x's dtype, then scale
+            xf = x.float()
+            return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+        def attn_in(x, cos, sin, norm, w_qkv, b_qkv, q_norm, k_norm):
+            B, T, _ = x.shape
+            q, k, v = F.linear(rms(x, norm), w_qkv, b_qkv).view(B, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], 2)
+            if qk_norm:
+                q, k = rms(q, q_norm), rms(k, k_norm)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+            return rope(q, cos, sin), rope(k, cos, sin), v
+
+        def attn_out_mlp(x, o, w_o, b_o, norm, w_gu, w_down, b_down):
+            B, T, _ = x.shape
+            x = x + F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), w_o, b_o)
+            gate, up = F.linear(rms(x, norm), w_gu).chunk(2, dim=-1)
+            return x + F.linear(F.silu(gate) * up, w_down, b_down)
+
+        def mid(x, o, cos, sin, post, pre):
+            x = attn_out_mlp(x, o, *post)
+            return (x, *attn_in(x, cos, sin, *pre))
+
+        def last(x, o, post, final_norm):
+            x = attn_out_mlp(x, o, *post)
+            return x, rms(x, final_norm)
+
+        self.first, self.mid, self.last = (torch.compile(f, dynamic=False) for f in (attn_in, mid, last))
+        self.pre, self.post = [], []
+        for i, layer in enumerate(host.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            w_qkv, b_qkv, w_gu = host._fused_weights(i)
+            self.pre.append((layer.input_layernorm.weight, w_qkv, b_qkv,
+                             a.q_norm.weight if qk_norm else None, a.k_norm.weight if qk_norm else None))
+            self.post.append((a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, w_gu,
+                              mlp.down_proj.weight, mlp.down_proj.bias))
+        self.final_norm = host.final_norm.weight
+        weight = host.layers[0].self_attn.q_proj.weight
+        self.key = (weight.device, weight.dtype)  # the device and dtype the weights were gathered at
+
+    def run(self, host, x, cos, sin, masks, kv, taps):
+        """Every layer on x (B, T, H): (final-normed hidden, the tapped layers' outputs in layer order)."""
+        B, T, _ = x.shape
+        n, tapped, gqa = len(host.layers), [], host.num_heads != host.num_kv_heads
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            q, k, v = self.first(x, cos, sin, *self.pre[0])
+            for i, layer in enumerate(host.layers):
+                keys, values = kv(i, k, v)  # (B, Hkv, W, D)
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[host.windows[i]],
+                                                   scale=layer.self_attn.scaling, enable_gqa=gqa)
+                if i + 1 < n:
+                    x, q, k, v = self.mid(x, o, cos, sin, self.post[i], self.pre[i + 1])
+                    hidden = None
+                else:
+                    x, hidden = self.last(x, o, self.post[i], self.final_norm)
+                if i in taps:
+                    tapped.append(x)
+        return hidden, tapped

@@ -1,0 +1,78 @@
+"""Compiled host layers (dspark.engine.compiled): the same step as the eager layers, and the same tokens.
+
+fp32 on the CPU, where inductor generates C++; the GPU run times them (benchmarks/speed.py --compile). Each
+compilation takes seconds here, so the hosts are tiny and the shapes few.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark.engine.compiled as compiled_module
+from dspark.engine.decode import generate
+from dspark.engine.host import Host
+from dspark.engine.sampling import SamplingConfig
+from tests.conftest import random_prompts, tiny_model
+from tests.test_decode import K, build_any
+from verifiers import build_verifier
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+
+
+def _ragged_steps(host: Host, compiled: bool, attend):
+    """A prefill (never compiled), then a 4-wide ragged decode step with taps: (hidden, features, keys)."""
+    prompts = torch.tensor(random_prompts([9, 9, 9], host.vocab_size, seed=4))
+    cache = host.new_cache(3, 48)
+    host.step(cache, prompts, torch.tensor([9, 6, 2]), attend=9, compiled=False)
+    cache.advance(torch.tensor([9, 6, 2]))
+    draft = torch.tensor(random_prompts([4, 4, 4], host.vocab_size, seed=5))
+    out = host.step(cache, draft, torch.tensor([4, 1, 3]), taps=(0, 2), attend=attend, compiled=compiled)
+    return out.hidden, out.features, cache.k.clone()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_compiled_step_equals_the_eager_layers(kind):
+    host = Host(tiny_model(kind), name=kind)
+    for attend in (None, 16):  # the graphs' whole cache, and the eager loop's window
+        ref = _ragged_steps(host, False, attend)
+        got = _ragged_steps(host, True, attend)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_flag_routes_decode_steps_only(monkeypatch):
+    """With Host.compile, decode-sized steps run compiled; prefills and wider steps run the eager layers."""
+    host = Host(tiny_model("llama"), name="tiny", compile=True)
+    calls = []
+    real = compiled_module.CompiledLayers.run
+    monkeypatch.setattr(compiled_module.CompiledLayers, "run",
+                        lambda self, h, x, *a: calls.append(x.shape[1]) or real(self, h, x, *a))
+    prompts = random_prompts([20, 6], host.vocab_size, seed=2)
+    generate(host, prompts, draft_length=K, max_new_tokens=4, engine="eager")
+    assert calls and set(calls) == {1}  # plain decoding: one token per step; both prefills eager
+    cache = host.new_cache(1, 64)
+    host.step(cache, torch.zeros(1, compiled_module.COMPILE_MAX_T + 1, dtype=torch.long), torch.tensor([17]))
+    assert set(calls) == {1}
+
+
+def test_compiled_host_decodes_the_same_tokens():
+    """The slot engine over a compiled host commits what the eager loop over the plain host commits (greedy, every
+    request of a continuous batch), and sampled output with the same seeds too."""
+    model = tiny_model("qwen2")
+    plain, fast = Host(model, name="plain"), Host(model, name="fast", compile=True)
+    prompts = random_prompts([5, 12, 7, 3], plain.vocab_size, seed=5)
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        outs = []
+        for host, engine in ((plain, "eager"), (fast, "slots")):
+            drafter = build_any("ngram", host, None)
+            outs.append(generate(host, prompts, drafter=drafter, verifier=build_verifier("full"), draft_length=K,
+                                 max_new_tokens=[8, 5, 10, 6], sampling=sampling, seeds=[1, 2, 3, 4], engine=engine,
+                                 concurrency=2 if engine == "slots" else None).token_ids)
+        assert outs[0] == outs[1]
+
+
+def test_unsupported_host_is_refused_with_the_reason():
+    model = tiny_model("llama")
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="gelu-host.*activation 'gelu'"):
+        Host(model, name="gelu-host", compile=True)
