@@ -243,8 +243,8 @@ def table(r: dict) -> str:
                          f"{x['in_flight_fraction_until_dry']:.3f} |")
     if "llama8b_step_ms" in r:
         layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"
-        lines.append(f"\nrandom llama-8b, C = 1, {layers} layers: plain step {r['llama8b_step_ms']:.2f} ms (verify graph "
-                     f"{r['llama8b_verify_ms']:.2f} ms) against a weight-read floor of {r['llama8b_floor_ms']:.2f} ms "
+        lines.append(f"\nrandom llama-8b, C = 1, {layers} layers: plain step {r['llama8b_step_ms']:.2f} ms "
+                     f"(verify graph {r['llama8b_verify_ms']:.2f} ms) against a weight-read floor of {r['llama8b_floor_ms']:.2f} ms "
                      f"({r['llama8b_weight_bytes'] / 1e9:.2f} GB at {r['copy_bandwidth_GBps']:.0f} GB/s)")
     if "llama8b_step_ms_eager_layers" in r:
         lines.append(f"random llama-8b, C = 1, eager layers: plain step {r['llama8b_step_ms_eager_layers']:.2f} ms "
