@@ -1,14 +1,20 @@
 """Independent small-LM drafter (DSPARK.md §2.5): any causal LM sharing the host's tokenizer drafts K tokens
 autoregressively from the committed tokens alone (no host features).
 
-Shapes: B requests, T tokens in a step, K draft positions, V vocabulary (the host's, which the small LM must share).
+Shapes: B requests, T tokens in a step, K draft positions, V vocabulary (the host's, which the small LM must share),
+W = K + 1 the width of a round's catch-up step.
 
 The small LM runs through its own `dspark.engine.host.Host` adapter and ragged `KVCache`. Its cache holds the committed
-tokens it has already fed (`cache.lengths`); a round feeds the pending committed tokens (the anchor, and on the
-first round the prompt; after a round whose K drafts were all accepted also x_K, which was drafted but never fed)
-as one ragged step, then drafts x2..xK one token at a time past the committed length. Drafted positions whose
-tokens the host accepts keep their keys (they were computed from exactly those tokens); the rest are overwritten
-next round, so rollback is moving a length.
+tokens it has already fed (`cache.lengths`). The prompt is fed at admission (`prefill`); a round then feeds the
+pending committed tokens (the anchor; after a round whose K drafts were all accepted also x_K, which was drafted
+but never fed) as one ragged step of fixed width W, then drafts x2..xK one token at a time past the committed
+length. Drafted positions whose tokens the host accepts keep their keys (they were computed from exactly those
+tokens); the rest are overwritten next round, so rollback is moving a length.
+
+Fixed shapes and no host sync, so the slot engine captures the propose step as a CUDA graph (`capturable`). More
+than W pending tokens happen only after plain rounds (Verifier.draft_next) or without a prefill; an eager propose
+first feeds that backlog (one device read), a captured one feeds W per round until it has caught up (its drafts
+meanwhile follow an older context: still lossless, since only verified tokens are kept).
 """
 from __future__ import annotations
 
@@ -19,6 +25,13 @@ import torch
 from dspark.engine.host import Host
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
+
+SPARE_POSITIONS = 64  # cache positions past the engine's max_len (see begin); also the largest K
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether this call is being captured into a CUDA graph (no device reads allowed)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_same_tokenizer(tokenizer, host, *, source: str) -> None:
@@ -37,6 +50,7 @@ class SmallLMDrafter(Drafter):
 
     name = "small-lm"
     slot_state = ("cache", "drafted_end")
+    capturable = True
     def __init__(self, model, host) -> None:
         if model.config.vocab_size != host.vocab_size:
             raise ValueError(f"small-LM drafter vocabulary ({model.config.vocab_size} tokens) differs from the "
@@ -63,7 +77,9 @@ class SmallLMDrafter(Drafter):
         self.lm.model.save_pretrained(path)
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
-        self.cache = self.lm.new_cache(batch_size, max_len)
+        # why spare positions: the fixed-width catch-up and the drafted keys of a row near its budget, or of an idle
+        # slot frozen at its end, reach up to 2K - 2 positions past the committed length (never read, overwritten)
+        self.cache = self.lm.new_cache(batch_size, max_len + SPARE_POSITIONS)
         self.drafted_end = torch.zeros(batch_size, dtype=torch.long, device=host.device)
 
     def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
@@ -76,21 +92,37 @@ class SmallLMDrafter(Drafter):
         self.drafted_end.copy_(self.cache.lengths)
 
     @torch.no_grad()
+    def prefill(self, *, state: DraftState) -> None:
+        """Feed every committed token but the anchor (the prompt), eagerly, so rounds feed only a few."""
+        self._feed(state, state.seq_len - 1 - self.cache.lengths)
+
+    def _feed(self, state: DraftState, n: torch.Tensor) -> None:
+        """Feed the next n (B,) committed tokens of each row (one ragged step of the widest; one device read)."""
+        width = int(n.max())
+        if width > 0:
+            index = (self.cache.lengths.unsqueeze(1) + torch.arange(width, device=n.device)).clamp(
+                max=state.seq.shape[1] - 1)  # (B, width)
+            self.lm.step(self.cache, state.seq.gather(1, index), n.clamp(min=0), compiled=False)
+            self.cache.advance(n.clamp(min=0))
+        self.drafted_end.copy_(self.cache.lengths)
+
+    @torch.no_grad()
     def propose(self, state: DraftState, K: int) -> Proposal:
+        if K > SPARE_POSITIONS:
+            raise ValueError(f"the small-LM drafter drafts at most {SPARE_POSITIONS} tokens a round, asked for {K}")
         B = state.seq.shape[0]
         cache, device = self.cache, state.seq.device
-        pending = state.seq_len - cache.lengths  # (B,) committed tokens not fed yet, the anchor last
-        # why one sync: the ragged step's width and attention window are Python ints (eager shapes); after the
-        # first round pending is 1 or 2 for a live request. An idle slot of the slot engine can have 0 (the engine's
-        # warm-up proposes for idle slots): width >= 1 and the clamped gather below keep its row's shapes valid,
-        # and what it drafts is never verified
-        width, end = (int(x) for x in torch.stack([pending.max().clamp(min=1), state.seq_len.max()]).cpu())
-        offsets = torch.arange(width, device=device)
-        index = (cache.lengths.unsqueeze(1) + offsets).clamp(max=state.seq.shape[1] - 1)  # (B, width)
-        out = self.lm.step(cache, state.seq.gather(1, index), pending, attend=end)
+        W = K + 1
+        if not capturing(device):
+            self._feed(state, state.seq_len - cache.lengths - W)  # the backlog past W (plain rounds, no prefill)
+        # committed tokens not fed yet, the anchor last; 0 only on an idle slot proposed twice without a commit
+        # (the graph runner's warm-up), whose drafts are never verified
+        pending = (state.seq_len - cache.lengths).clamp(0, W)  # (B,)
+        index = (cache.lengths.unsqueeze(1) + torch.arange(W, device=device)).clamp(max=state.seq.shape[1] - 1)
+        out = self.lm.step(cache, state.seq.gather(1, index), pending)  # (B, W) fixed width, the whole cache
         last = (pending - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1])
         h = out.hidden.gather(1, last)[:, 0]  # (B, H)
-        cache.advance(pending)  # every committed token is fed now
+        cache.advance(pending)  # the pending committed tokens are fed now
         committed = cache.lengths.clone()  # (B,)
         ones = torch.ones(B, dtype=torch.long, device=device)
         tokens, qs = [], []
@@ -100,7 +132,7 @@ class SmallLMDrafter(Drafter):
             tokens.append(token)
             qs.append(q)
             if k < K - 1:  # x_K is never fed this round: the host decides it first
-                h = self.lm.step(cache, token.unsqueeze(1), ones, attend=end + k + 1).hidden[:, 0]  # (B, H)
+                h = self.lm.step(cache, token.unsqueeze(1), ones).hidden[:, 0]  # (B, H)
                 cache.advance(ones)
         self.drafted_end.copy_(cache.lengths)  # committed + K-1 drafted positions (in place: see Drafter.capturable)
         cache.rollback(committed)

@@ -122,6 +122,9 @@ class ProfileOptions:
         "help": "cached positions per request while timing (the step attends that prefix, as decoding does)"})
     repeats: int = field(default=10, metadata={"help": "timed steps per point (median kept)"})
     warmup: int = field(default=3, metadata={"help": "untimed steps per point"})
+    mode: Literal["auto", "eager", "graph"] = field(default="auto", metadata={
+        "help": "time each step as called (eager) or as a replayed CUDA graph (graph: how the slot engine runs on "
+                "CUDA); auto = graph on CUDA, eager elsewhere"})
     engine_json: Optional[str] = field(default=None, metadata={
         "help": "also export the engine-neutral scheduling JSON (with --calibration's STS temperatures)"})
     calibration: Optional[str] = field(default=None, metadata={"help": "STS JSON to include in --engine-json"})
@@ -406,10 +409,11 @@ def cmd_profile(argv) -> int:
     drafter = (resolve_drafter(host, p.drafter, drafter_path=p.drafter_path)
                if p.drafter is not None or p.drafter_path is not None else None)
     cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
-                   warmup=p.warmup, context=p.context)
+                   warmup=p.warmup, context=p.context, mode=p.mode)
     for K in p.draft_lengths if drafter is not None else ():
         cost.draft[draft_key(drafter, K)] = profile_draft(host, drafter, batch_sizes=p.batch_sizes, draft_length=K,
-                                                          repeats=p.repeats, warmup=p.warmup, context=p.context)
+                                                          repeats=p.repeats, warmup=p.warmup, context=p.context,
+                                                          mode=p.mode)
     Path(p.out).parent.mkdir(parents=True, exist_ok=True)
     cost.save(p.out)
     cost.to_csv(Path(p.out).with_suffix(".csv"))
@@ -419,7 +423,8 @@ def cmd_profile(argv) -> int:
         from verifiers.engine_tables import export_sglang_sps
 
         export_sglang_sps(p.sglang_sps_table, cost)
-    print(f"wrote {p.out}: SPS at B = " + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
+    print(f"wrote {p.out} ({cost.mode} steps): SPS at B = "
+          + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
     for key, entry in cost.draft.items():
         print(f"  draft step {key}: " + ", ".join(f"R={r}: {1000 * t:.2f} ms" for r, t in
                                                   zip(entry["batch_sizes"], entry["seconds"])))

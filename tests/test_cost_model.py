@@ -125,6 +125,19 @@ def test_profile_with_fake_host():
         profile(host, batch_sizes=[1], tokens_per_request=[1], context=-1)
 
 
+def test_graph_mode_needs_cuda_and_auto_is_eager_on_the_cpu(tiny_host):
+    """On CUDA the default times replayed graphs (tests/test_engine_cuda.py); elsewhere steps run as called."""
+    from drafters.ngram import NgramDrafter
+    from verifiers.cost_model import profile_draft
+
+    assert profile(FakeHost(), batch_sizes=[1], tokens_per_request=[1], repeats=1, warmup=0).mode == "eager"
+    assert profile_draft(tiny_host, NgramDrafter(), batch_sizes=[1], draft_length=2, repeats=1, warmup=0,
+                         context=8)["mode"] == "eager"
+    for mode, message in (("graph", "needs a CUDA host"), ("fast", "must be auto, eager or graph")):
+        with pytest.raises(ValueError, match=message):
+            profile(FakeHost(), batch_sizes=[1], tokens_per_request=[1], mode=mode)
+
+
 def test_profiler_times_the_attention_width_decoding_uses(tiny_host, monkeypatch):
     """The keys a profiled step attends are the keys a decode round attends at the same cache length and width
     (the loop attends a bucketed prefix of its cache, never the whole preallocated cache)."""

@@ -39,6 +39,9 @@ class Recorder(Drafter):
     def observe(self, **kwargs) -> None:
         self.inner.observe(**kwargs)
 
+    def prefill(self, **kwargs) -> None:
+        self.inner.prefill(**kwargs)
+
     def propose(self, state: DraftState, K: int) -> Proposal:
         proposal = self.inner.propose(state, K)
         frozen = DraftState(seq=state.seq.clone(), seq_len=state.seq_len.clone(), seeds=state.seeds.clone(),

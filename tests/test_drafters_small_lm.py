@@ -16,7 +16,7 @@ from dspark.engine.protocol import DraftState
 from dspark.engine.reference import greedy
 from dspark.engine.sampling import SamplingConfig
 from tests.conftest import random_prompts, tiny_model
-from tests.test_drafters_eagle3 import (K, check_cache_consistency, chi_square_first_tokens, fresh_proposal,
+from tests.test_drafters_eagle3 import (K, Recorder, check_cache_consistency, chi_square_first_tokens, fresh_proposal,
                                         peaked_micro_host)
 
 
@@ -188,3 +188,48 @@ def test_a_slot_with_nothing_pending_proposes_again_without_error(tiny_host, sma
     first = fresh_proposal(small, tiny_host, state, K)
     again = small.propose(state, K)  # nothing committed since: 0 pending tokens in every row
     assert again.tokens.shape == first.tokens.shape
+
+
+def test_propose_catches_up_after_plain_rounds(tiny_host, small):
+    """Rounds without a propose (Verifier.draft_next) leave more committed tokens pending than one catch-up step
+    holds (W = K + 1): an eager propose feeds the backlog first, so every proposal equals a fresh drafter's."""
+    from tests.test_draft_gate import EveryThird
+
+    class EveryTenth(EveryThird):
+        def draft_next(self) -> bool:
+            return self.rounds % 10 == 0
+
+    recorder = Recorder(small)
+    prompts = random_prompts([5, 9], tiny_host.vocab_size, seed=6)
+    generate(tiny_host, prompts, drafter=recorder, verifier=EveryTenth(), draft_length=K, max_new_tokens=40)
+    assert len(recorder.records) >= 3
+    for state, proposal in recorder.records:
+        assert torch.equal(fresh_proposal(small, tiny_host, state, K).tokens, proposal.tokens)
+
+
+def test_captured_propose_needs_no_backlog_after_the_prefill(tiny_host, small, monkeypatch):
+    """What a captured propose does (no device read, so no backlog feed): with the prompt fed at admission
+    (Drafter.prefill), every round of the slot engine proposes what a fresh drafter proposes, and the tokens are
+    those of the eager loop, with requests admitted at different rounds."""
+    import drafters.small_lm
+
+    monkeypatch.setattr(drafters.small_lm, "capturing", lambda device: True)
+    records, propose = [], small.propose
+
+    def recorded(state, k):  # the slot engine keeps the drafter's own slot state: record on the drafter itself
+        proposal = propose(state, k)
+        records.append((copy.deepcopy(state), proposal))
+        return proposal
+
+    monkeypatch.setattr(small, "propose", recorded)
+    prompts = random_prompts([5, 9, 3, 12], tiny_host.vocab_size, seed=7)
+    got = generate(tiny_host, prompts, drafter=small, draft_length=K, max_new_tokens=[12, 5, 14, 8], concurrency=2)
+    assert got.batches > 1
+    monkeypatch.undo()
+    assert len(records) >= 5
+    for state, proposal in records:
+        live = state.seq_len > 2  # idle slots propose too; their drafts are never verified
+        again = fresh_proposal(small, tiny_host, state, K)
+        assert torch.equal(again.tokens[live], proposal.tokens[live])
+    want = generate(tiny_host, prompts, drafter=small, draft_length=K, max_new_tokens=[12, 5, 14, 8], engine="eager")
+    assert got.token_ids == want.token_ids

@@ -81,3 +81,21 @@ def test_compiled_layers_in_captured_rounds_equal_eager(name, tmp_path):
     got = generate(fast, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, concurrency=2, graphs=True)
     want = generate(plain, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, engine="eager")
     assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("name", ["dspark", "small-lm"])
+def test_graph_mode_profiles_replayed_steps(cuda_host, name, tmp_path):
+    """`profile` and `profile_draft` in their CUDA default time captured graphs, as the slot engine runs them:
+    positive, recorded as mode "graph", and no slower than the same steps timed eagerly (launch overhead gone)."""
+    from verifiers.cost_model import profile, profile_draft
+
+    drafter = build_any(name, cuda_host, tmp_path)
+    if isinstance(drafter, torch.nn.Module):
+        drafter = drafter.to("cuda")
+    kw = dict(batch_sizes=[1, 4], repeats=5, warmup=2, context=32)
+    graph, eager = (profile(cuda_host, tokens_per_request=[1, K + 1], mode=m, **kw) for m in ("auto", "eager"))
+    assert graph.mode == "graph" and eager.mode == "eager" and all(s > 0 for s in graph.sps)
+    assert graph.sps[0] >= 0.8 * eager.sps[0]
+    entries = [profile_draft(cuda_host, drafter, draft_length=K, mode=m, **kw) for m in ("auto", "eager")]
+    assert entries[0]["mode"] == "graph" and entries[1]["mode"] == "eager"
+    assert entries[0]["seconds"][0] <= 1.25 * entries[1]["seconds"][0]

@@ -21,7 +21,8 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     device                     device description, `device_description(host.device)`: "cpu" or
                                "cuda (NVIDIA H200)"; loading on another device is an error
     dtype                      host dtype, e.g. "torch.bfloat16"
-    mode                       "eager" or "graph" (how the verify step was run)
+    mode                       "eager" or "graph" (the verify step timed as called, or as a replayed CUDA graph as
+                               the slot engine runs it on CUDA; `profile` picks graph there by default)
     date                       ISO-8601 UTC time of profiling
     torch_version              torch.__version__ at profiling time
     batch_sizes                profiled numbers of requests R
@@ -32,8 +33,8 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
                                median over repeats; [] for hand-made tables
     draft                      the drafter's own propose step (`profile_draft`), {} when not profiled:
-                               {draft_key: {"batch_sizes": [R], "seconds": [s], "context": n}}, draft_key =
-                               "<drafter name>/K<draft length>/<parameter count>"
+                               {draft_key: {"batch_sizes": [R], "seconds": [s], "context": n, "mode": m}},
+                               draft_key = "<drafter name>/K<draft length>/<parameter count>"
 When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
 tokens, sps, step_ms.
 
@@ -221,6 +222,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """"auto" is "graph" on CUDA (the slot engine replays its rounds as CUDA graphs there) and "eager" elsewhere."""
+    if mode == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if mode not in MODES:
+        raise ValueError(f"profile mode must be auto, {' or '.join(MODES)}; got {mode!r}")
+    if mode == "graph" and device.type != "cuda":
+        raise ValueError(f"profile mode 'graph' times CUDA-graph replays and needs a CUDA host, not {device}")
+    return mode
+
+
+def _runner(fn, device: torch.device, mode: str, warmup: int):
+    """What a timed call runs: fn itself (eager), or the replay of fn captured once as a CUDA graph (graph).
+    why graph mode: on a GPU the slot engine replays every round, so an eagerly timed step measures Python and
+    kernel-launch overhead the engine does not pay (a flat SPS curve, and drafting priced several times its cost)."""
+    if mode == "eager":
+        return fn
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # kernels' lazy initialisation (and any compilation) stays out of the capture
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def verify_tokens(width: torch.Tensor, requests: int) -> torch.Tensor:
     """Tokens in the verify forward of `requests` rows at verify width(s) `width` (long tensor, any shape): every
     row carries the anchor plus `width` drafts, padded to the longest row as `dspark.engine.decode` runs it."""
@@ -228,15 +258,16 @@ def verify_tokens(width: torch.Tensor, requests: int) -> torch.Tensor:
 
 
 def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], context: int = 256, repeats: int = 10,
-            warmup: int = 3, mode: str = "eager", seed: int = 0) -> CostModel:
+            warmup: int = 3, mode: str = "auto", seed: int = 0) -> CostModel:
     """Time the decode loop's verify step at every (R, T) of the grid and return the SPS(M = R*T) table.
 
     Each point: a fresh cache of R requests holding `context` positions, random tokens (R, T), `warmup` untimed
     steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for a round at
     that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same (bucketed) cache
     prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
-    the same context. CUDA is synchronised around each timed step. `mode` records whether the host step is eager
-    or graph-captured; it is metadata, the host decides how it runs.
+    the same context. CUDA is synchronised around each timed step. `mode` "graph" (the default on CUDA, see
+    resolve_mode) times the step as the slot engine runs it there: captured once per point as a CUDA graph over the
+    whole cache (attend=None) and replayed.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -247,6 +278,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
         raise ValueError(f"context {context} + tokens_per_request up to {max(tokens_per_request)} do not fit the "
                          f"host's context of {max_context}")
     device = torch.device(host.device)
+    mode = resolve_mode(mode, device)
     g = torch.Generator().manual_seed(seed)
     points = []
     for R in batch_sizes:
@@ -258,14 +290,17 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
             tokens = torch.randint(host.vocab_size, (R, T), generator=g).to(device)  # (R, T)
             n_valid = torch.full((R,), T, dtype=torch.long, device=device)  # (R,)
             seconds = []
+            attend = context + T if mode == "eager" else None  # graphs attend over the whole cache
             with torch.inference_mode():
+                run = _runner(lambda: host.step(cache, tokens, n_valid, attend=attend), device, mode, warmup)
                 for i in range(warmup + repeats):
                     _sync(device)
                     t0 = time.perf_counter()
-                    host.step(cache, tokens, n_valid, attend=context + T)
+                    run()
                     _sync(device)
                     if i >= warmup:
                         seconds.append(time.perf_counter() - t0)
+                del run
             points.append({"batch_size": R, "tokens_per_request": T, "tokens": R * T,
                            "step_seconds": statistics.median(seconds)})
             del cache
@@ -292,14 +327,17 @@ def draft_key(drafter, K: int) -> str:
 
 
 def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, context: int = 256,
-                  repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict:
+                  repeats: int = 10, warmup: int = 3, seed: int = 0, mode: str = "auto") -> dict:
     """Time the drafter's propose step (greedy, K = draft_length) over R rows holding `context` positions, for
     every R of batch_sizes: the median of `repeats` timed calls after `warmup` untimed ones. Returns the entry
     `CostModel.draft[draft_key(drafter, draft_length)]` holds. The rows' state is what the decode loop leaves
-    after a prefill of `context` random tokens (begin, then observe of the host's features)."""
+    after a prefill of `context` random tokens (begin, observe of the host's features, prefill). In mode "graph"
+    (the default on CUDA) a `capturable` drafter's step is captured and replayed, as the slot engine runs it; any
+    other runs eagerly there too."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     device = torch.device(host.device)
+    mode = resolve_mode(mode, device) if drafter.capturable else "eager"
     g = torch.Generator().manual_seed(seed)
     seconds = []
     for R in sorted(set(batch_sizes)):
@@ -314,16 +352,19 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
             out = host.step(cache, seq[:, :context], filled, taps=drafter.feature_layers, attend=context)
             drafter.begin(host=host, batch_size=R, max_len=max_len)
             drafter.observe(features=out.features, start=torch.zeros_like(filled), n_valid=filled, state=state)
+            drafter.prefill(state=state)
+            run = _runner(lambda: drafter.propose(state, draft_length), device, mode, warmup)
             for i in range(warmup + repeats):
                 _sync(device)
                 t0 = time.perf_counter()
-                drafter.propose(state, draft_length)
+                run()
                 _sync(device)
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
+            del run
         seconds.append(max(statistics.median(times), 1e-9))
         del cache
-    return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "context": context}
+    return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "context": context, "mode": mode}
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:

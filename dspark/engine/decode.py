@@ -185,6 +185,7 @@ def _prefill(host, prompts, ids, *, drafter, verifier, K, limits, sampling, seed
     verifier.begin(batch_size=B)
     drafter.observe(features=out.features, start=torch.zeros(B, dtype=torch.long, device=device),
                     n_valid=plen.to(device), state=state)
+    drafter.prefill(state=state)
     batch = _Batch(cache=cache, state=state, request=request, remaining=torch.tensor(limits), cache_len=plen.clone(),
                    live=torch.ones(B, dtype=torch.bool), start=start)
     batch.live = _commit_cpu(first.cpu().unsqueeze(1), torch.ones(B, dtype=torch.long), batch, sink)

@@ -67,6 +67,8 @@ class Drafter:
     Round protocol driven by `dspark.engine.decode.generate`:
       begin(...)            once per batch, after the host prefilled the prompts
       observe(...)          host features of newly committed positions (prompt, then accepted tokens each round)
+      prefill(state)        once per admission, after the prompt's observe: a drafter with a model of its own
+                            feeds the prompts (eagerly, any shape), so its rounds feed only what they commit
       propose(state, K)     draft K tokens after the anchor
       select(rows)          keep only these batch rows (finished requests leave the batch)
     """
@@ -88,6 +90,9 @@ class Drafter:
     def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
                 state: DraftState) -> None:
         """Host features (B, T, F) of positions start[b] .. start[b]+n_valid[b]-1, now committed."""
+
+    def prefill(self, *, state: DraftState) -> None:
+        """The prompts of `state`'s rows are committed (their first new token is the anchor)."""
 
     def propose(self, state: DraftState, K: int) -> Proposal:
         raise NotImplementedError

@@ -126,12 +126,13 @@ class Slots:
         return first.cpu()
 
     def _admit_drafter(self, rows: torch.Tensor, features, plen: torch.Tensor, sub: DraftState) -> None:
-        """The drafter's begin/observe on the arrivals alone, then their rows written into the slots' state."""
+        """The drafter's begin/observe/prefill on the arrivals alone, then their rows written into the slots' state."""
         drafter, n = self.drafter, len(rows)
         full = {name: getattr(drafter, name) for name in drafter.slot_state}
         try:
             drafter.begin(host=self.host, batch_size=n, max_len=self.max_len)
             drafter.observe(features=features, start=torch.zeros_like(plen), n_valid=plen, state=sub)
+            drafter.prefill(state=sub)
             for name, tensor in full.items():
                 put_rows(tensor, rows, getattr(drafter, name))
         finally:
