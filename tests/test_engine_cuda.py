@@ -41,7 +41,8 @@ def test_graph_rounds_equal_eager_solo(cuda_host, name, sampling, tmp_path):
                    seeds=seeds, concurrency=2, graphs=True)
     used = set(got.engine["widths"])  # verify widths (L + 1) the rounds ran at, each captured on first use
     whole = drafter is None or drafter.capturable  # verify-all is capturable: the propose stage is captured too
-    assert got.engine["graphs"] == 2 * len(used) + whole and got.batches > 1
+    prefills = got.engine["prefill_graphs"]  # one per (arrivals, prompt width) shape: 6 arrivals, 1 or 2 at a time
+    assert 1 <= prefills <= 4 and got.engine["graphs"] == 2 * len(used) + whole + prefills and got.batches > 1
     if name in ("mtp", "ngram"):  # proposals shorter than K: narrower forwards than K + 1
         assert min(used) < K + 1
     for i, p in enumerate(prompts):

@@ -49,6 +49,12 @@ class KVCache:
         """Set every request's committed length to `lengths` (B,), dropping later positions."""
         self.lengths.copy_(lengths)
 
+    def head(self, n: int) -> KVCache:
+        """The first n batch rows as a cache of their own whose tensors are views of this one's (writes go here)."""
+        part = KVCache.__new__(KVCache)
+        part.k, part.v, part.lengths = self.k[:, :n], self.v[:, :n], self.lengths[:n]
+        return part
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (B',), in that order."""
         self.k = self.k.index_select(1, rows)

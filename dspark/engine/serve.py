@@ -2,9 +2,10 @@
 
 Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its device-to-host copy
 (one; two when the verify width depends on device values, see round.drafts_to_verify), then on the CPU the commit
-of each live slot's new tokens (stops, budgets, streaming callbacks, the round log), retirement of the requests that stopped, and admission of queued requests into the freed slots, each with
-its own prefill (batched with the other arrivals of that moment). Static-batch decoding is the case where every
-request is admitted at once (C = the number of requests).
+of each live slot's new tokens (stops, budgets, streaming callbacks, the round log), retirement of the requests
+that stopped, and admission of queued requests into the freed slots, each with its own prefill (batched with the
+other arrivals of that moment; replayed as a CUDA graph where the rounds are, dspark.engine.prefill). Static-batch
+decoding is the case where every request is admitted at once (C = the number of requests).
 """
 from __future__ import annotations
 
@@ -80,12 +81,18 @@ class Sink:
 class EngineStats:
     rounds: int = 0
     admissions: int = 0  # prefill forwards (one per group of arrivals)
-    graphs: int = 0  # CUDA graphs captured (propose once, verify and accept per verify width used)
+    graphs: int = 0  # CUDA graphs captured (propose once, verify and accept per verify width, prefill per shape)
     warmup_s: float = 0.0  # warm-up and capture
     stage_s: dict = field(default_factory=dict)  # draft / verify / accept device seconds, bookkeeping wall seconds
     in_flight: list[int] = field(default_factory=list)  # requests in flight at each round
     widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
     drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
+    prefill_graphs: int = 0  # of `graphs`, the prefill shapes captured (dspark.engine.prefill)
+
+
+def prefill_mode(graphs: bool) -> str:
+    """How arrivals are prefilled (dspark.engine.prefill): replayed graphs where the rounds replay theirs."""
+    return "graph" if graphs else "eager"
 
 
 def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
@@ -93,12 +100,14 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     """Decode every request with at most `concurrency` in flight, writing into `sink`."""
     C = max(1, min(concurrency, len(requests)))
     max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
-    slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling)
+    use_graphs = host.device.type == "cuda" if graphs is None else graphs
+    slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling,
+                  prefill=prefill_mode(use_graphs))
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
     stats = EngineStats()
     queue = deque(requests)
     _fill(slots, queue, sink, stats)
-    busy = 0.0
+    busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
     while slots.in_flight():
         start = time.perf_counter()
         drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
@@ -115,10 +124,13 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
         _fill(slots, queue, sink, stats)
         stats.rounds += 1
         busy += time.perf_counter() - start
-    stats.graphs, stats.warmup_s = runner.graphs, runner.warmup_s  # widths are captured as they are first used
+    # widths and prefill shapes are captured as they are first used
+    stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
+    stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
     stats.stage_s = runner.timer.seconds()
     if stats.stage_s:
-        stats.stage_s["bookkeeping"] = max(0.0, busy - sum(stats.stage_s.values()))
+        captured = stats.warmup_s - captured
+        stats.stage_s["bookkeeping"] = max(0.0, busy - captured - sum(stats.stage_s.values()))
     return stats
 
 
@@ -127,10 +139,11 @@ def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> None:
     while queue and slots.free():
         free = slots.free()[: len(queue)]
         arrivals = [queue.popleft() for _ in free]
-        start = time.perf_counter()
+        start, captured = time.perf_counter(), slots.prefill.warmup_s
         first = slots.admit(free, arrivals).tolist()
         stats.admissions += 1
         now = time.perf_counter()
+        start += slots.prefill.warmup_s - captured  # a prefill shape's first capture is warm-up, not latency
         done = []
         for s, r, token in zip(free, arrivals, first):
             sink.ttft[r.index] = now - start

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.kv_cache import KVCache
+from dspark.engine.prefill import Prefill
 from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, check_finite, process, sample
 from dspark.engine.protocol import DraftState, Drafter
 
@@ -56,7 +57,7 @@ class Slots:
     """Per-slot state of C requests on the host's device, and admission into free slots."""
 
     def __init__(self, host, drafter: Drafter, verifier, *, capacity: int, max_len: int,
-                 sampling: SamplingConfig) -> None:
+                 sampling: SamplingConfig, prefill: str = "eager") -> None:
         device, C = host.device, capacity
         self.host, self.drafter, self.verifier = host, drafter, verifier
         self.capacity, self.max_len, self.sampling = C, max_len, sampling
@@ -69,6 +70,7 @@ class Slots:
         self.active = torch.zeros(C, dtype=torch.bool, device=device)  # (C,)
         self.remaining = torch.zeros(C, dtype=torch.long, device=device)  # (C,) tokens allowed after the anchor
         self.cache = host.new_cache(C, max_len)
+        self.prefill = Prefill(host, max_len=max_len, taps=drafter.feature_layers, mode=prefill)
         drafter.begin(host=host, batch_size=C, max_len=max_len)
         verifier.begin(batch_size=C)
         # the CPU side: which request each slot holds (None = free), and mirrors that need no device read
@@ -99,10 +101,8 @@ class Slots:
             seq[b, : len(r.prompt)] = torch.tensor(r.prompt)
         seq, plen = seq.to(device), plen_cpu.to(device)
         seeds = torch.tensor([r.seed for r in requests], device=device)
-        cache = host.new_cache(n, self.max_len)
-        out = host.step(cache, seq[:, :P], plen, taps=self.drafter.feature_layers, attend=P, compiled=False)
-        cache.advance(plen)
-        last = out.hidden.gather(1, (plen - 1).view(n, 1, 1).expand(n, 1, out.hidden.shape[-1]))
+        cache, hidden, features = self.prefill(seq[:, :P], plen)  # the prompts in a cache of n rows
+        last = hidden.gather(1, (plen - 1).view(n, 1, 1).expand(n, 1, hidden.shape[-1]))
         logits = host.logits(last[:, 0])  # (n, V)
         # why: argmax / sampling of NaN logits returns some token; refuse it like a round's non-finite logits
         check_finite(logits, "host logits at prefill (before round 0)",
@@ -112,7 +112,7 @@ class Slots:
         sub = DraftState(seq=seq, seq_len=plen + 1, seeds=seeds, rounds=torch.zeros_like(plen),
                          sampling=self.sampling)
         rows = torch.tensor(slots, device=device)
-        self._admit_drafter(rows, out.features, plen, sub)
+        self._admit_drafter(rows, features, plen, sub)
         put_rows(self.cache, rows, cache)
         for full, part in ((self.state.seq, seq), (self.state.seq_len, sub.seq_len), (self.state.seeds, seeds),
                            (self.state.rounds, sub.rounds), 
