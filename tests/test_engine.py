@@ -7,7 +7,9 @@ request alone (the schedulers couple the batch: their lengths, hence the rounds 
 companions; greedy output does not). Also: the static batch is the all-at-once case, requests in flight stay at C
 while the queue lasts, the verify forward is as wide as the bucket of the widest verified row, and a round makes
 one device-to-host copy when that width is known on the CPU (verify-all of K or of a drafter's declared width,
-the lagged scheduler after its first two rounds), two when it is read from the device.
+the lagged scheduler after its first two rounds, and any width read from the device once the runner proposes each
+next draft at the end of a round), two in a round whose width is read from the device before its forward (the
+first round, and one after an admission).
 
 Shapes: n requests, C slots, K draft positions.
 """
@@ -121,8 +123,10 @@ def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
 @pytest.mark.parametrize("drafter_name, verifier_name, width_reads_of", [
     ("dspark-trained", "full", lambda rounds: 0),  # verify-all of K drafts: the width is K, known on the CPU
     ("mtp", "full", lambda rounds: 0),  # MTP-1 declares width 1
-    ("ngram", "full", lambda rounds: rounds),  # lookup lengths live on the device: the longest is read first
-    ("dspark-trained", "threshold", lambda rounds: rounds),
+    # lookup lengths live on the device: the first round reads the longest before its forward; every later round
+    # verifies the draft proposed at the end of the round before, whose longest length rode in that round's copy
+    ("ngram", "full", lambda rounds: 1),
+    ("dspark-trained", "threshold", lambda rounds: 1),
     # its capacity is decided a round ahead and rides in the round's copy; the first two rounds have no history
     ("dspark-trained", "lagged", lambda rounds: 2),
 ], ids=["full-K", "full-mtp", "full-ngram", "threshold", "lagged"])
@@ -146,6 +150,21 @@ def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, v
     assert len(round_copies) == out.rounds > 2 and len(width_reads) == width_reads_of(out.rounds)
     # the rest: the admission's first tokens (one) and the confidences of the log, read once at the end
     assert len(copies) - len(round_copies) - len(width_reads) <= 2
+
+
+def test_continuous_batching_reads_a_width_only_after_admissions(tiny_host, monkeypatch):
+    """With requests arriving as others stop, a device-side width (n-gram lengths) is read before the forward only
+    in a round after an admission (the first round included); the tokens are still the eager loop's."""
+    drafter, prompts = drafter_of("ngram", tiny_host), prompts_of(tiny_host)
+    reads = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **kw: (reads.append(self.dim() == 0), real(self))[1])
+    got = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, seeds=SEEDS,
+                   concurrency=2)
+    monkeypatch.undo()
+    assert got.rounds > got.engine["admissions"] > 2 and sum(reads) == got.engine["admissions"]
+    for i, p in enumerate(prompts):
+        assert got.token_ids[i] == solo(tiny_host, drafter, verifier_of("full"), p, LIMITS[i], SEEDS[i], GREEDY)
 
 
 def test_width_buckets():

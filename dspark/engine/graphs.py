@@ -17,7 +17,20 @@ import time
 
 import torch
 
-from dspark.engine.round import Draft, accept, drafts_to_verify, no_draft, propose, verify
+from dspark.engine.protocol import Verifier
+from dspark.engine.round import AHEAD, Draft, accept, drafts_to_verify, no_draft, propose, verify, width_bucket, \
+    width_on_cpu
+
+
+def lookahead_allowed(verifier) -> bool:
+    """Whether a runner may propose the next round's draft at the end of this round, after its commit: the verifier
+    drafts every round (the base `draft_next`) and its lengths depend on the draft alone (`capturable`: no Python
+    state), so that draft is exactly the one the next round would make at its start. Nothing happens in between
+    but the CPU's commit, retirements (a retired slot's lengths can only widen the forward, never change a token)
+    and admissions (after which the runner proposes afresh). why: when the verify width depends on device values
+    (n-gram lengths, the threshold), the draft's longest length then rides in this round's copy, and the next
+    round needs no device read of its own: one device-to-host copy per round."""
+    return type(verifier).draft_next is Verifier.draft_next and getattr(verifier, "capturable", False)
 
 
 class EagerRound:
@@ -29,21 +42,30 @@ class EagerRound:
     def __init__(self, slots, host, drafter, verifier, K: int, *, timing: bool = False) -> None:
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
         self.timer = StageTimer(timing and host.device.type == "cuda")
+        self.lookahead = lookahead_allowed(verifier)
+        self.ahead: Draft | None = None  # the next round's draft, proposed at the end of the last round
 
-    def __call__(self, drafting: bool = True) -> tuple[torch.Tensor, Draft, int]:
+    def __call__(self, drafting: bool = True, ahead: int | None = None) -> tuple[torch.Tensor, Draft, int]:
         """One round: (packed output, draft, L the drafts per row of its verify forward); drafting False is a plain
-        round (no draft forward, nothing verified)."""
+        round (no draft forward, nothing verified). `ahead`: the longest length of the draft proposed at the end of
+        the last round (its copy's AHEAD column), which this round then verifies; None = propose now."""
         self.timer.mark()
-        if drafting:
+        if not drafting:
+            draft, L = no_draft(self.slots, self.K), 0
+        elif ahead is not None:
+            draft, L = self.ahead, width_bucket(ahead, self.K)
+        else:
             draft = propose(self.slots, self.drafter, self.verifier, self.K)
             L = drafts_to_verify(self.slots, self.verifier, draft, self.K)
-        else:
-            draft, L = no_draft(self.slots, self.K), 0
         self.timer.mark()
         attend = max(self.slots.cache_len) + L + 1
         verified = verify(self.slots, self.host, draft, L, self.drafter.feature_layers, attend)
         self.timer.mark()
         out = accept(self.slots, self.drafter, draft, verified)
+        self.timer.mark()
+        if drafting and self.lookahead and width_on_cpu(self.slots, self.verifier, draft, self.K) is None:
+            self.ahead = propose(self.slots, self.drafter, self.verifier, self.K)
+            out[:, self.K + 1 + AHEAD] = self.ahead.ell.max()
         self.timer.mark()
         return out, draft, L
 
@@ -75,12 +97,11 @@ class GraphRound:
         self.widths: dict[int, tuple] = {}  # L -> (verify graph, accept graph, packed output, its input)
         self.graphs = 1 if self.whole else 0
         self.warmup_s = time.perf_counter() - start
+        self.lookahead = lookahead_allowed(verifier)
 
-    def __call__(self, drafting: bool = True) -> tuple[torch.Tensor, Draft, int]:
-        self.timer.mark()
-        if not drafting:  # a plain round: the width-0 graphs over a draft that proposes nothing
-            no_draft(self.slots, self.K, self.draft)
-        elif self.whole:
+    def _propose(self) -> None:
+        """This round's draft into the static buffers: the propose graph replayed, or run eagerly and copied."""
+        if self.whole:
             self.g_propose.replay()
             self.draft.width = self.captured_width  # a plain round set it to 0
         else:
@@ -89,7 +110,18 @@ class GraphRound:
                 if isinstance(buffer, torch.Tensor):
                     buffer.copy_(getattr(fresh, name))
             self.draft.width = fresh.width
-        L = drafts_to_verify(self.slots, self.verifier, self.draft, self.K) if drafting else 0
+
+    def __call__(self, drafting: bool = True, ahead: int | None = None) -> tuple[torch.Tensor, Draft, int]:
+        """As EagerRound.__call__; with `ahead` the buffers already hold this round's draft (lookahead)."""
+        self.timer.mark()
+        if not drafting:  # a plain round: the width-0 graphs over a draft that proposes nothing
+            no_draft(self.slots, self.K, self.draft)
+            L = 0
+        elif ahead is not None:
+            L = width_bucket(ahead, self.K)
+        else:
+            self._propose()
+            L = drafts_to_verify(self.slots, self.verifier, self.draft, self.K)
         if L not in self.widths:
             self._capture(L)
         g_verify, g_accept, out, _ = self.widths[L]
@@ -98,7 +130,14 @@ class GraphRound:
         self.timer.mark()
         g_accept.replay()
         self.timer.mark()
-        return out, self.draft, L
+        used = self.draft
+        if drafting and self.lookahead and width_on_cpu(self.slots, self.verifier, self.draft, self.K) is None:
+            if self.draft.confidence is not None:  # the round log reads this round's confidences after the copy
+                used = Draft(**{**vars(self.draft), "confidence": self.draft.confidence.clone()})
+            self._propose()
+            out[:, self.K + 1 + AHEAD] = self.draft.ell.max()
+        self.timer.mark()
+        return out, used, L
 
     def _capture(self, L: int) -> None:
         """Warm up and capture verify and accept at L drafts per row, every slot paused (they commit nothing)."""
@@ -133,9 +172,10 @@ def _side_stream():
 
 
 class StageTimer:
-    """CUDA events at the stage boundaries of every round; `seconds()` sums draft / verify / accept at the end."""
+    """CUDA events at the stage boundaries of every round; `seconds()` sums draft / verify / accept at the end (the
+    next round's draft made at the end of a round, lookahead, counts as draft)."""
 
-    STAGES = ("draft", "verify", "accept")
+    STAGES = ("draft", "verify", "accept", "lookahead")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled, self.events = enabled, []
@@ -155,6 +195,7 @@ class StageTimer:
         for i in range(0, len(self.events) - n + 1, n):
             for j, stage in enumerate(self.STAGES):
                 total[stage] += self.events[i + j].elapsed_time(self.events[i + j + 1]) / 1000
+        total["draft"] += total.pop("lookahead")
         return total
 
 

@@ -12,8 +12,10 @@ verify nothing and commit nothing. Between propose and verify the CPU picks L (`
 verified row, rounded up to a bucket, so the forward is only as wide as what is verified (a scheduler's shorter
 lengths save host compute, as they do in the eager loop) while shapes stay few: verify and accept run at one of a
 few widths, each captured once as a CUDA graph (dspark.engine.graphs) and replayed. What the CPU needs from a round
-(new tokens, counts, the finite flags) is packed into one tensor, the round's device-to-host copy; picking L needs
-a second, one integer, only when it depends on device values (see `drafts_to_verify`).
+(new tokens, counts, the finite flags) is packed into one tensor, the round's device-to-host copy. When L depends on
+device values (see `drafts_to_verify`) the runner proposes the next round's draft at the end of this round and
+packs its longest length into the same copy (column AHEAD), so a round makes a second copy only when that draft
+was not made: the first round, and after an admission.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ from dspark.engine.acceptance import greedy_accept, rejection_sample
 from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
 from dspark.engine.protocol import Proposal
 
-# columns of the packed round output after the K + 1 new tokens
-N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH = range(5)
-COLUMNS = 5
+# columns of the packed round output after the K + 1 new tokens; AHEAD: the longest length of the next round's
+# draft when it was proposed at the end of this round (graphs.py, lookahead), -1 = not proposed yet
+N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH, AHEAD = range(6)
+COLUMNS = 6
 
 
 @dataclass
@@ -102,20 +105,28 @@ def width_bucket(L: int, K: int) -> int:
     return min(W, K + 1) - 1
 
 
-def drafts_to_verify(slots, verifier, draft: Draft, K: int) -> int:
-    """L for this round's verify forward: the bucket of the longest verified row, read on the CPU where possible.
+def width_on_cpu(slots, verifier, draft: Draft, K: int) -> int | None:
+    """The longest verified row as known on the CPU without a device read, or None.
 
-    With a known `draft.width` (K, or a drafter's static maximum) no device read is needed for verify-all (every
-    live row verifies min(width, budget - 1); the budgets are mirrored on the CPU), nor for a verifier that bounded
-    this round's lengths in advance (the lagged scheduler's capacity, `slots.next_width`, read back with the
-    previous round's copy). Otherwise (n-gram lengths, threshold and scheduler lengths, the lagged scheduler's
-    first two rounds) the longest ell is read from the device: a second device-to-host copy this round, one
-    integer, before the forward."""
+    With a known `draft.width` (K, or a drafter's static maximum) verify-all needs none (every live row verifies
+    min(width, budget - 1); the budgets are mirrored on the CPU), nor does a verifier that bounded this round's
+    lengths in advance (the lagged scheduler's capacity, `slots.next_width`, read back with the previous round's
+    copy). Otherwise (n-gram lengths, threshold and scheduler lengths, the lagged scheduler's first two rounds)
+    only the device knows."""
     ahead = None if verifier.static_length or slots.next_width < 0 else slots.next_width
     if draft.width is not None and (verifier.static_length or ahead is not None):
         budget = max((slots.remaining_cpu[s] for s, r in enumerate(slots.request) if r is not None), default=1)
-        L = max(0, min(draft.width, budget - 1, K if ahead is None else ahead))
-    else:
+        return max(0, min(draft.width, budget - 1, K if ahead is None else ahead))
+    return None
+
+
+def drafts_to_verify(slots, verifier, draft: Draft, K: int) -> int:
+    """L for this round's verify forward: the bucket of the longest verified row, read on the CPU where possible
+    (`width_on_cpu`), else from the device: a second device-to-host copy this round, one integer, before the
+    forward. (A round runner that proposes the next round's draft at the end of this one reads it with this
+    round's copy instead: graphs.py, lookahead.)"""
+    L = width_on_cpu(slots, verifier, draft, K)
+    if L is None:
         L = int(draft.ell.max().cpu())  # the round's second device-to-host copy
     return width_bucket(L, K)
 
@@ -155,7 +166,7 @@ def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
-    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C)]  # in the order of COLUMNS
+    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C), torch.full_like(n_acc, -1)]
     return torch.cat([new, torch.stack(columns, dim=1)], dim=1)
 
 

@@ -1,7 +1,8 @@
 """The continuous-batching driver: C slots, a queue of requests, rounds until every request has stopped.
 
 Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its device-to-host copy
-(one; two when the verify width depends on device values, see round.drafts_to_verify), then on the CPU the commit
+(one: where the verify width depends on device values it rides in the previous round's copy, graphs.lookahead_allowed,
+but for a round after an admission), then on the CPU the commit
 of each live slot's new tokens (stops, budgets, streaming callbacks, the round log), retirement of the requests
 that stopped, and admission of queued requests into the freed slots, each with its own prefill (batched with the
 other arrivals of that moment; replayed as a CUDA graph where the rounds are, dspark.engine.prefill). Static-batch
@@ -17,7 +18,7 @@ import torch
 
 from dspark.engine.graphs import round_runner
 from dspark.engine.results import RoundLog
-from dspark.engine.round import FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, VERIFIED
+from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, VERIFIED
 from dspark.engine.slots import Request, Slots
 
 
@@ -108,11 +109,13 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     queue = deque(requests)
     _fill(slots, queue, sink, stats)
     busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
+    ahead = -1  # the longest length of the draft the last round proposed for this one (graphs.lookahead_allowed)
     while slots.in_flight():
         start = time.perf_counter()
         drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
-        packed, draft, L = runner(drafting)
-        packed = packed.cpu()  # the round's device-to-host copy (the only one when L was known on the CPU)
+        packed, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
+        packed = packed.cpu()  # the round's device-to-host copy (the only one but in a round after an admission)
+        ahead = int(packed[0, K + 1 + AHEAD])
         stats.in_flight.append(slots.in_flight())
         stats.widths.append(L + 1)
         stats.drafted += drafting
@@ -121,7 +124,8 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
         done, committed = _commit_round(slots, packed, draft, sink, stats.rounds, K, drafting)
         verifier.after_round(slots=slots.capacity, rows=live, width=L, drafted=drafting, committed=committed)
         _finish(slots, done, sink)
-        _fill(slots, queue, sink, stats)
+        if _fill(slots, queue, sink, stats):
+            ahead = -1  # the arrivals have no draft yet: the next round proposes afresh
         stats.rounds += 1
         busy += time.perf_counter() - start
     # widths and prefill shapes are captured as they are first used
@@ -134,14 +138,16 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     return stats
 
 
-def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> None:
-    """Admit queued requests into free slots until none is free or the queue is empty."""
+def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> int:
+    """Admit queued requests into free slots until none is free or the queue is empty; returns how many."""
+    admitted = 0
     while queue and slots.free():
         free = slots.free()[: len(queue)]
         arrivals = [queue.popleft() for _ in free]
         start, captured = time.perf_counter(), slots.prefill.warmup_s
         first = slots.admit(free, arrivals).tolist()
         stats.admissions += 1
+        admitted += len(arrivals)
         now = time.perf_counter()
         start += slots.prefill.warmup_s - captured  # a prefill shape's first capture is warm-up, not latency
         done = []
@@ -152,6 +158,7 @@ def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> None:
             if not live:
                 done.append(s)
         _finish(slots, done, sink)
+    return admitted
 
 
 def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
