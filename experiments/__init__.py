@@ -17,6 +17,7 @@ EXPERIMENTS = {
     "length": "experiments.length",
     "acceptance": "experiments.acceptance",
     "simulate": "experiments.simulator",
+    "simulator_validation": "experiments.validate",
 }
 
 

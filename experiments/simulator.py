@@ -77,11 +77,26 @@ class _Live:
     tokens: int = 0
 
 
-def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draft_ms: float = 0.0) -> dict:
+def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draft_ms: float = 0.0,
+             draft_seconds=None, observe_seconds=None, step_overhead_ms: float = 0.0, admission_ms: float = 0.0,
+             pricing: str = "ragged") -> dict:
     """Replay `requests` requests (trace entries in turn) with C = concurrency in flight; policy is a Verifier or
-    None for plain decoding (ell = 0, no drafting). Returns the row metrics of one setting."""
+    None for plain decoding (ell = 0, no drafting). Returns the row metrics of one setting.
+
+    pricing "ragged": a step verifies B = Σ (1 + ell) tokens over the live requests and drafts `draft_ms`; "slots":
+    as the slot engine runs it, every one of the C slots (live or idle) carries the anchor and the bucketed longest
+    ell (dspark.engine.round.width_bucket), B = C (L + 1), and the draft step covers C rows (`draft_seconds(C)`,
+    e.g. a cost table's profiled draft entry, else `draft_ms`), and a request's first new token comes from its
+    admission's prefill, before its first step. `observe_seconds(rows)`, when given, prices the drafter's observe
+    of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too). `step_overhead_ms` is added to every step (the
+    engine's acceptance and CPU bookkeeping) and `admission_ms` to every step that admits requests (one prefill
+    per group of arrivals)."""
+    from dspark.engine.round import width_bucket
+
     if concurrency < 1 or requests < 1:
         raise ValueError(f"need concurrency >= 1 and requests >= 1, got {concurrency} and {requests}")
+    if pricing not in ("ragged", "slots"):
+        raise ValueError(f"pricing must be ragged or slots, got {pricing!r}")
     K = trace["draft_length"] if policy is not None else 0
     pool = trace["requests"]
     waiting = [pool[i % len(pool)] for i in range(requests)]
@@ -91,14 +106,24 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     verified_sum = accepted_sum = request_rounds = 0
     speeds: list[float] = []
     members: tuple = ()
-    gate = getattr(policy, "gate", None)  # the schedulers' draft gate, priced with this replay's draft_ms
+    rows_drafted = concurrency if pricing == "slots" else None  # None: the live requests
+    gate = getattr(policy, "gate", None)  # the schedulers' draft gate, priced with this replay's draft cost
     if gate is not None:
         gate.begin()
-        gate.fixed_draft_s = draft_ms / 1000.0
+        gate.fixed_draft_s = (draft_seconds(concurrency) if draft_seconds is not None else draft_ms / 1000.0)
     while waiting or live:
+        if waiting and len(live) < concurrency:
+            now += admission_ms / 1000.0  # one prefill for the arrivals of this moment
         while waiting and len(live) < concurrency:
             live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
             admitted += 1
+            if pricing == "slots":  # the admission's prefill draws the first new token, as the engine's does
+                live[-1].tokens = 1
+                total_tokens += 1
+                if live[-1].trace["new_tokens"] <= 1:  # done at admission: no round of its own
+                    live.pop()
+        if not live:
+            continue
         if policy is not None and tuple(s.serial for s in live) != members:
             policy.begin(batch_size=len(live))  # why: per-request policy state is indexed by batch row
             members = tuple(s.serial for s in live)
@@ -116,8 +141,16 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
             proposal = Proposal(tokens=torch.zeros(R, K, dtype=torch.long), confidence=conf, lengths=proposed)
             ell = torch.minimum(policy.lengths(proposal, K).clamp(0, K), proposed)  # (R,)
         accepted = torch.minimum(ell, logged_acc)  # (R,)
-        B = int((ell + 1).sum())
-        now += 1.0 / float(cost(B)) + (draft_ms / 1000.0 if drafting else 0.0)
+        if pricing == "slots":
+            B = concurrency * (width_bucket(int(ell.max()), K) + 1)
+        else:
+            B = int((ell + 1).sum())
+        draft_s = 0.0
+        if drafting:
+            draft_s = (draft_seconds(rows_drafted or R) if draft_seconds is not None else draft_ms / 1000.0)
+        if policy is not None and observe_seconds is not None:
+            draft_s += observe_seconds(rows_drafted or R)
+        now += 1.0 / float(cost(B)) + draft_s + step_overhead_ms / 1000.0
         steps += 1
         if policy is not None:
             policy.after_round(slots=R, rows=R, width=int(ell.max()), drafted=drafting,
@@ -136,9 +169,11 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
             else:
                 still.append(s)
         live = still
-    return {"tokens_per_s": total_tokens / now, "per_request_tokens_per_s": sum(speeds) / len(speeds),
+    return {"tokens_per_s": total_tokens / now,
+            "per_request_tokens_per_s": sum(speeds) / len(speeds) if speeds else float("nan"),
             "tau": (accepted_sum + request_rounds) / request_rounds,
-            "accepted_per_round": accepted_sum / request_rounds, "verified_per_round": verified_sum / request_rounds, "steps": steps, "requests": requests,
+            "accepted_per_round": accepted_sum / request_rounds, "verified_per_round": verified_sum / request_rounds,
+            "steps": steps, "requests": requests,
             "new_tokens": total_tokens, "seconds": now}
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dspark.engine.host import StepOutput
 from verifiers.cost_model import CostModel, device_description, export_engine_json, profile
 
 
@@ -102,12 +103,17 @@ class FakeHost:
         self.calls.append((B, T))
         self.attends.append((cache.lengths.tolist(), attend))
         time.sleep(0.001 * B * T + (0.003 if T > 1 else 0.0))
+        return StepOutput(hidden=torch.zeros(B, T, self.vocab_size), features=None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls[-1] += ("logits",)  # the profiled step includes the LM head, as the engine's verify stage does
+        return hidden
 
 
 def test_profile_with_fake_host():
     host = FakeHost()
     cost = profile(host, batch_sizes=[1, 2], tokens_per_request=[1, 2], repeats=2, warmup=1, context=8)
-    assert len(host.calls) == 4 * 3
+    assert len(host.calls) == 4 * 3 and all(call[-1] == "logits" for call in host.calls)
     assert cost.tokens == [1, 2, 4]
     assert cost.host == "fake" and cost.device == device_description("cpu") == "cpu"
     assert cost.dtype == "torch.float32" and cost.mode == "eager" and cost.torch_version == torch.__version__

@@ -307,6 +307,38 @@ def test_simulator_replays_the_draft_gate():
     assert gated["tokens_per_s"] > 0.95 * plain["tokens_per_s"]
 
 
+def test_simulator_slot_pricing_and_machine_constants():
+    """Slot pricing: every one of the C slots carries the bucketed longest width, idle or not; the step overhead
+    adds to every step and the admission time to every step that admits."""
+    flat = CostModel.from_points({1: 100.0, 8: 50.0, 16: 25.0})
+    trace = _trace([3, 3], None, new_tokens=8, n=2)  # 4 tokens a round, 2 rounds
+    full = simulate(trace, policy=build_verifier("full"), concurrency=2, cost=flat, requests=2, pricing="slots")
+    assert full["seconds"] == pytest.approx(2 / 50.0)  # B = 2 slots x (3 + 1) = 8 tokens a step
+    timed = simulate(trace, policy=build_verifier("full"), concurrency=2, cost=flat, requests=2, pricing="slots",
+                     step_overhead_ms=1.0, admission_ms=5.0, draft_seconds=lambda R: 0.002 * R)
+    assert timed["seconds"] == pytest.approx(2 / 50.0 + 2 * 0.001 + 0.005 + 2 * 0.004)  # one admission of both
+    one_slot_idle = simulate(_trace([3], None, new_tokens=4, n=1), policy=build_verifier("full"), concurrency=4,
+                             cost=flat, requests=1, pricing="slots")
+    assert one_slot_idle["seconds"] == pytest.approx(1 / 25.0)  # C = 4: the idle slots pay too (B = 16)
+    with pytest.raises(ValueError, match="pricing"):
+        simulate(trace, policy=None, concurrency=1, cost=flat, requests=1, pricing="exact")
+
+
+def test_simulator_validation_writes_measured_and_predicted(tmp_path):
+    out = tmp_path / "val"
+    run("experiment", "simulator_validation", "--host", "random:tiny-llama", "--drafters", "ngram", "--policies",
+        "full", "--concurrency", "1", "2", "--num-prompts", "3", "--max-new-tokens", "6", "--out-dir", str(out))
+    doc = load(out / "simulator_validation.json")
+    assert {(r["method"], r["concurrency"]) for r in doc["rows"]} == {(m, C) for m in ("plain", "ngram") for C in (1, 2)}
+    for r in doc["rows"]:
+        assert r["measured_tokens_per_s"] > 0 and r["predicted_tokens_per_s"] > 0
+        assert r["relative_error"] == pytest.approx(r["predicted_tokens_per_s"] / r["measured_tokens_per_s"] - 1)
+        if r["fitted"]:  # the plain rows fit the step overhead: their prediction is their measurement
+            assert abs(r["relative_error"]) < 0.02
+    assert doc["max_relative_error"] == max(abs(r["relative_error"]) for r in doc["rows"] if not r["fitted"])
+    assert set(doc["constants"]) == {"1", "2"} and (out / "simulator_validation.png").is_file()
+
+
 def test_simulate_cli_and_report(acceptance_dir, concurrency_dir, cost_path, tmp_path):
     out = tmp_path / "results"
     run("experiment", "simulate", "--traces", str(acceptance_dir / "trace_dspark_chat.json"), "--cost-table",

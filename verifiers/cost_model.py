@@ -33,7 +33,8 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
                                median over repeats; [] for hand-made tables
     draft                      the drafter's own propose step (`profile_draft`), {} when not profiled:
-                               {draft_key: {"batch_sizes": [R], "seconds": [s], "context": n, "mode": m}},
+                               {draft_key: {"batch_sizes": [R], "seconds": [s], "observe_seconds": [s],
+                               "context": n, "mode": m}} (observe_seconds: absent in older tables),
                                draft_key = "<drafter name>/K<draft length>/<parameter count>"
 When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
 tokens, sps, step_ms.
@@ -60,7 +61,7 @@ from pathlib import Path
 import torch
 
 from dspark.engine.jsonio import read_versioned_json, write_json_atomic
-from dspark.engine.protocol import DraftState
+from dspark.engine.protocol import DraftState, Drafter
 from dspark.engine.sampling import SamplingConfig
 
 FORMAT = "dspark.cost_model"
@@ -125,13 +126,15 @@ class CostModel:
                                  f"seconds > 0, got batch_sizes={sizes}, seconds={seconds}")
 
     # ---- the drafter's step --------------------------------------------------------------------------------
-    def draft_seconds(self, key: str, requests: int) -> float | None:
-        """Seconds of the drafter's propose step over `requests` rows, None when `key` was not profiled: linear
-        between profiled batch sizes, the first one's below them, proportional to rows past the last."""
+    def draft_seconds(self, key: str, requests: int, *, step: str = "propose") -> float | None:
+        """Seconds of the drafter's propose (or, step="observe", observe) step over `requests` rows, None when
+        `key` (or its observe timing) was not profiled: linear between profiled batch sizes, the first one's below
+        them, proportional to rows past the last."""
         entry = self.draft.get(key)
-        if entry is None:
+        column = {"propose": "seconds", "observe": "observe_seconds"}[step]
+        if entry is None or column not in entry:
             return None
-        sizes, seconds = entry["batch_sizes"], entry["seconds"]
+        sizes, seconds = entry["batch_sizes"], entry[column]
         if requests <= sizes[0]:
             return float(seconds[0])
         if requests >= sizes[-1]:
@@ -292,7 +295,11 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
             seconds = []
             attend = context + T if mode == "eager" else None  # graphs attend over the whole cache
             with torch.inference_mode():
-                run = _runner(lambda: host.step(cache, tokens, n_valid, attend=attend), device, mode, warmup)
+                # the logits too, and a pass over them: the engine's round runs the LM head over every verified
+                # position (a large share of a small host's step, SmolLM2: 28 M of its 135 M weights) and its
+                # acceptance reads them (the argmax of greedy decoding), both growing with the width
+                run = _runner(lambda: host.logits(host.step(cache, tokens, n_valid, attend=attend).hidden).argmax(-1),
+                              device, mode, warmup)
                 for i in range(warmup + repeats):
                     _sync(device)
                     t0 = time.perf_counter()
@@ -331,15 +338,17 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
     """Time the drafter's propose step (greedy, K = draft_length) over R rows holding `context` positions, for
     every R of batch_sizes: the median of `repeats` timed calls after `warmup` untimed ones. Returns the entry
     `CostModel.draft[draft_key(drafter, draft_length)]` holds. The rows' state is what the decode loop leaves
-    after a prefill of `context` random tokens (begin, observe of the host's features, prefill). In mode "graph"
-    (the default on CUDA) a `capturable` drafter's step is captured and replayed, as the slot engine runs it; any
-    other runs eagerly there too."""
+    after a prefill of `context` random tokens (begin, observe of the host's features, prefill). `seconds` is the
+    propose step (what a plain round saves, Verifier.draft_next); `observe_seconds` the drafter's observe of a
+    round's committed positions, which runs in every round of a speculative decode, plain ones too. In mode
+    "graph" (the default on CUDA) a `capturable` drafter's steps are captured and replayed, as the slot engine
+    runs them; any other runs eagerly there too."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     device = torch.device(host.device)
     mode = resolve_mode(mode, device) if drafter.capturable else "eager"
     g = torch.Generator().manual_seed(seed)
-    seconds = []
+    seconds, observe_seconds = [], []
     for R in sorted(set(batch_sizes)):
         max_len = context + 1 + draft_length + ATTEND_SLACK
         seq = torch.randint(host.vocab_size, (R, max_len), generator=g).to(device)  # (R, max_len)
@@ -347,24 +356,35 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
         cache = host.new_cache(R, max_len)
         state = DraftState(seq=seq, seq_len=filled + 1, seeds=torch.arange(R, device=device),
                            rounds=torch.zeros(R, dtype=torch.long, device=device), sampling=SamplingConfig())
-        times = []
+        times, observe = [], []
         with torch.inference_mode():
             out = host.step(cache, seq[:, :context], filled, taps=drafter.feature_layers, attend=context)
             drafter.begin(host=host, batch_size=R, max_len=max_len)
             drafter.observe(features=out.features, start=torch.zeros_like(filled), n_valid=filled, state=state)
             drafter.prefill(state=state)
-            run = _runner(lambda: drafter.propose(state, draft_length), device, mode, warmup)
-            for i in range(warmup + repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                run()
-                _sync(device)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            del run
+            # a round's observe: the host features of an accepted draft and the next token (two positions), at a
+            # fixed place past the context, so every repeat does the same work
+            ahead = torch.randn(R, draft_length + 1, out.features.shape[-1], device=device, dtype=out.features.dtype) \
+                if out.features is not None else None
+            two = torch.full((R,), 2, dtype=torch.long, device=device)
+            runs = [_runner(lambda: drafter.propose(state, draft_length), device, mode, warmup)]
+            if type(drafter).observe is not Drafter.observe:  # (the base one does nothing: nothing to time)
+                runs.append(_runner(lambda: drafter.observe(features=ahead, start=filled, n_valid=two, state=state),
+                                    device, mode, warmup))
+            for run, into in zip(runs, (times, observe)):
+                for i in range(warmup + repeats):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    run()
+                    _sync(device)
+                    if i >= warmup:
+                        into.append(time.perf_counter() - t0)
+            del runs
         seconds.append(max(statistics.median(times), 1e-9))
+        observe_seconds.append(max(statistics.median(observe), 1e-9) if observe else 0.0)
         del cache
-    return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "context": context, "mode": mode}
+    return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "observe_seconds": observe_seconds,
+            "context": context, "mode": mode}
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:

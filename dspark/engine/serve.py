@@ -89,6 +89,7 @@ class EngineStats:
     widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
     drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
     prefill_graphs: int = 0  # of `graphs`, the prefill shapes captured (dspark.engine.prefill)
+    admit_s: float = 0.0  # wall seconds admitting (prefills, first tokens, the drafter's admission), capture excluded
 
 
 def prefill_mode(graphs: bool) -> str:
@@ -150,6 +151,7 @@ def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> int:
         admitted += len(arrivals)
         now = time.perf_counter()
         start += slots.prefill.warmup_s - captured  # a prefill shape's first capture is warm-up, not latency
+        stats.admit_s += now - start
         done = []
         for s, r, token in zip(free, arrivals, first):
             sink.ttft[r.index] = now - start

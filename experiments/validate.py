@@ -1,0 +1,185 @@
+"""Simulator validation: the slot engine's measured throughput against the replay simulator's prediction, for the
+same host, prompts, drafters and policies, in one process.
+
+    dspark experiment simulator_validation --host smollm2 --drafters ngram dspark --drafter-paths dspark=ckpt/dspark \\
+        --policies full scheduler --draft-length 7 --concurrency 1 8 64 --num-prompts 64 --max-new-tokens 128 \\
+        --out-dir benchmarks/h200                      # on the GPU: benchmarks/h200/simulator_validation.json
+    dspark experiment simulator_validation --host random:tiny-llama --drafters ngram --policies full \\
+        --concurrency 1 2 --num-prompts 4 --max-new-tokens 8 --out-dir /tmp/val      # CPU smoke
+
+Steps, all on this machine:
+1. the SPS(B) table (the verify step with its LM head) and each drafter's propose and observe costs
+   (`experiments.common.cost_table`: profiled here, replayed CUDA graphs on CUDA, unless --cost-table);
+2. per drafter, a verify-all decode of the prompts at the smallest C: its round log is the simulator's trace;
+3. measured: plain decoding and every (drafter, policy) on the slot engine at every C, closed loop, the prompts
+   cycled to max(C, --num-prompts) requests;
+4. the machine's two constants, from the plain run at each C: `admission_ms` (measured: wall time of its
+   admissions per group of arrivals) and `step_overhead_ms` (its time not explained by the table's verify steps
+   or by admissions, per round: acceptance, CPU bookkeeping; negative where the table overprices the step);
+5. predicted: `experiments.simulator.simulate` with slot pricing (every slot in every step, bucketed widths), the
+   profiled draft cost and those constants, on the same request sequence;
+6. the relative error of every prediction.
+The plain rows fit the step overhead, so they are not a test: `max_relative_error` is over the speculative rows
+(the claim to check: within 15 %), `max_relative_error_all` includes the plain ones.
+Writes OUT_DIR/simulator_validation.json (`rows`: measured and predicted tokens/s and tau, relative error;
+`constants` per C; `max_relative_error`), simulator_validation.md and simulator_validation.png.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+from experiments.common import (RunOptions, Section, build_drafters, build_policy, cost_table, drafter_path,
+                                envelope, figure, load_prompts, sampling_config, write_result)
+
+NAME = "simulator_validation"
+
+
+@dataclass
+class ValidateOptions:
+    drafters: list[str] = field(default_factory=lambda: ["ngram", "dspark"], metadata={
+        "help": "drafter names (ngram, dspark, dflash, eagle3, mtp, small-lm); plain decoding is always measured"})
+    policies: list[str] = field(default_factory=lambda: ["full", "scheduler"], metadata={
+        "help": "verification policies: full (fixed gamma), threshold, scheduler, lagged"})
+    draft_length: int = field(default=7, metadata={"help": "gamma"})
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 64], metadata={"help": "requests in flight"})
+    threshold: float = field(default=0.5, metadata={"help": "survival threshold of the 'threshold' policy"})
+    cost_table: Optional[str] = field(default=None, metadata={
+        "help": "SPS(B) JSON with draft costs from `dspark profile --drafter...` (default: profile this host now)"})
+    data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
+
+
+def _check(opts: ValidateOptions) -> None:
+    from experiments.concurrency import POLICIES
+
+    bad = [p for p in opts.policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {list(POLICIES)}")
+    if not opts.concurrency or min(opts.concurrency) < 1 or opts.draft_length < 1:
+        raise ValueError(f"need --concurrency values >= 1 and --draft-length >= 1, got {opts.concurrency} and "
+                         f"{opts.draft_length}")
+
+
+def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[int]], out_dir: Path) -> dict:
+    from dspark.engine.decode import generate
+    from experiments.simulator import simulate, trace_from_result
+    from verifiers import build_verifier
+    from verifiers.cost_model import draft_key
+
+    _check(opts)
+    K = opts.draft_length
+    drafters = {name: d for (name, _), d in build_drafters(host, opts.drafters, run.drafter_paths, [K]).items()}
+    cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=[K], out_dir=out_dir,
+                      drafters={(name, K): d for name, d in drafters.items()})
+    sampling = sampling_config(run.temperature)
+
+    def decode(batch, drafter, verifier, C):
+        return generate(host, batch, drafter=drafter, verifier=verifier, draft_length=K if drafter else 0,
+                        max_new_tokens=run.max_new_tokens, sampling=sampling, seed=run.seed, concurrency=C)
+
+    def policy(name: str, drafter_name: str):
+        return build_policy(host, name, draft_length=K, path=drafter_path(run.drafter_paths, drafter_name, K),
+                            threshold=opts.threshold, cost=cost)
+
+    traces = {name: trace_from_result(decode(prompts, d, build_verifier("full"), min(opts.concurrency)),
+                                      draft_length=K, method=name) for name, d in drafters.items()}
+    rows, constants = [], {}
+    for C in opts.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
+        plain = decode(batch, None, None, C)
+        e = plain.engine
+        admission_ms = 1000 * e["admit_s"] / max(1, e["admissions"])
+        raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds / float(cost(C))) / max(1, plain.rounds)
+        # negative when the table prices a step above what the engine took (the constant then corrects the table)
+        constants[C] = {"admission_ms": admission_ms, "step_overhead_ms": raw, "verify_ms_table": 1000 / float(cost(C))}
+        shared = dict(concurrency=C, cost=cost, requests=len(batch), pricing="slots", admission_ms=admission_ms,
+                      step_overhead_ms=raw)
+        any_trace = next(iter(traces.values()), None) or trace_from_result(plain, draft_length=0, method="plain")
+        rows.append(_row("plain", "none", C, plain, simulate(any_trace, policy=None, **shared), fitted=True, K=0))
+        for name, drafter in drafters.items():
+            key = draft_key(drafter, K)
+            profiled = key in cost.draft
+
+            def draft_seconds(R, key=key, profiled=profiled, step="propose"):
+                return (cost.draft_seconds(key, R, step=step) or 0.0) if profiled else 0.0
+
+            for p in opts.policies:
+                measured = decode(batch, drafter, policy(p, name), C)
+                predicted = simulate(traces[name], policy=policy(p, name), draft_seconds=draft_seconds,
+                                     observe_seconds=partial(draft_seconds, step="observe"), **shared)
+                rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K))
+                print(f"C={C:4d} {name}/{p}: measured {rows[-1]['measured_tokens_per_s']:.1f} tok/s, predicted "
+                      f"{rows[-1]['predicted_tokens_per_s']:.1f} ({100 * rows[-1]['relative_error']:+.1f} %)",
+                      flush=True)
+    for r in rows:
+        r["measured_tau"] = r.pop("_tau")
+    tested = [abs(r["relative_error"]) for r in rows if not r["fitted"]]
+    return {"rows": rows, "constants": constants, "draft_length": K,
+            "max_relative_error": max(tested) if tested else None,
+            "max_relative_error_all": max(abs(r["relative_error"]) for r in rows)}
+
+
+def _row(method: str, policy: str, C: int, measured, predicted: dict, *, fitted: bool, K: int) -> dict:
+    from dspark.metrics import summarize
+
+    m = summarize(measured, draft_length=K)
+    got, want = m["tokens_per_s"], predicted["tokens_per_s"]
+    return {"method": method, "policy": policy, "concurrency": C, "fitted": fitted,
+            "measured_tokens_per_s": got, "predicted_tokens_per_s": want, "relative_error": (want - got) / got,
+            "_tau": m["tau"], "predicted_tau": predicted["tau"], "rounds": measured.rounds,
+            "predicted_steps": predicted["steps"]}
+
+
+def render(doc: dict, out: Path) -> Section:
+    from dspark.metrics import markdown_table
+
+    rows = doc["rows"]
+    table = markdown_table(rows, [("concurrency", "C"), ("method", "method"), ("policy", "policy"),
+                                  ("measured_tau", "τ measured"), ("predicted_tau", "τ predicted"),
+                                  ("measured_tokens_per_s", "tokens/s measured"),
+                                  ("predicted_tokens_per_s", "tokens/s predicted"),
+                                  ("relative_error", "relative error"), ("fitted", "fitted")])
+    consts = "\n".join(f"| {C} | {c['verify_ms_table']:.3f} | {c['step_overhead_ms']:.3f} | {c['admission_ms']:.3f} |"
+                       for C, c in doc["constants"].items())
+    worst = doc["max_relative_error"]
+    text = (f"Largest relative error of a prediction (speculative rows): "
+            f"{'n/a' if worst is None else f'{100 * worst:.1f} %'}; with the fitted plain rows: "
+            f"{100 * doc['max_relative_error_all']:.1f} %.\n\n" + table
+            + "\n\nMachine constants from the plain run at each C (the verify step from the cost table):\n\n"
+              "| C | verify ms (table) | step overhead ms | admission ms |\n|---|---|---|---|\n" + consts + "\n")
+    fig, axes = figure(4.8, 4.4)
+    ax = axes[0, 0]
+    for fitted, marker in ((False, "o"), (True, "s")):
+        pts = [r for r in rows if r["fitted"] == fitted]
+        ax.scatter([r["measured_tokens_per_s"] for r in pts], [r["predicted_tokens_per_s"] for r in pts],
+                   marker=marker, label="plain (fitted)" if fitted else "speculative (predicted)")
+    lo = min(min(r["measured_tokens_per_s"], r["predicted_tokens_per_s"]) for r in rows)
+    hi = max(max(r["measured_tokens_per_s"], r["predicted_tokens_per_s"]) for r in rows)
+    for f, style in ((1.0, "-"), (1.15, ":"), (0.85, ":")):
+        ax.plot([lo, hi], [f * lo, f * hi], "k" + style, lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured tokens/s", ylabel="predicted tokens/s",
+           title="simulator against the engine (dotted: ±15 %)")
+    ax.legend(fontsize=7)
+    path = out / f"{NAME}.png"
+    fig.savefig(path, dpi=110)
+    return Section(title="simulator validation: predicted against measured throughput", markdown=text, images=[path])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark.cli import HostOptions, _host
+    from dspark.config import parse
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    h, run, opts = parse([HostOptions, RunOptions, ValidateOptions], argv, prog=f"dspark experiment {NAME}")
+    _check(opts)
+    host = _host(h)
+    prompts = load_prompts(host, opts.data, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
+    doc = envelope(NAME, argv=argv, host=host, options=[h, run, opts])
+    doc.update(measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir)))
+    path = write_result(doc, run.out_dir, render)
+    worst = doc["max_relative_error"]
+    print(f"wrote {path}; largest relative error of a prediction: {'n/a' if worst is None else f'{100 * worst:.1f} %'}")
+    return 0
