@@ -236,6 +236,19 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def _timed(run, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of run() after `warmup` untimed ones, the device synchronised around each."""
+    seconds = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        if i >= warmup:
+            seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
 def _runner(fn, device: torch.device, mode: str, warmup: int):
     """What a timed call runs: fn itself (eager), or the replay of fn captured once as a CUDA graph (graph).
     why graph mode: on a GPU the slot engine replays every round, so an eagerly timed step measures Python and
@@ -292,7 +305,6 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
             cache.advance(torch.full((R,), context, dtype=torch.long, device=device))
             tokens = torch.randint(host.vocab_size, (R, T), generator=g).to(device)  # (R, T)
             n_valid = torch.full((R,), T, dtype=torch.long, device=device)  # (R,)
-            seconds = []
             attend = context + T if mode == "eager" else None  # graphs attend over the whole cache
             with torch.inference_mode():
                 # the logits too, and a pass over them: the engine's round runs the LM head over every verified
@@ -300,13 +312,7 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
                 # acceptance reads them (the argmax of greedy decoding), both growing with the width
                 run = _runner(lambda: host.logits(host.step(cache, tokens, n_valid, attend=attend).hidden).argmax(-1),
                               device, mode, warmup)
-                for i in range(warmup + repeats):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    run()
-                    _sync(device)
-                    if i >= warmup:
-                        seconds.append(time.perf_counter() - t0)
+                seconds = _timed(run, device, warmup, repeats)
                 del run
             points.append({"batch_size": R, "tokens_per_request": T, "tokens": R * T,
                            "step_seconds": statistics.median(seconds)})
@@ -372,13 +378,7 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
                 runs.append(_runner(lambda: drafter.observe(features=ahead, start=filled, n_valid=two, state=state),
                                     device, mode, warmup))
             for run, into in zip(runs, (times, observe)):
-                for i in range(warmup + repeats):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    run()
-                    _sync(device)
-                    if i >= warmup:
-                        into.append(time.perf_counter() - t0)
+                into.extend(_timed(run, device, warmup, repeats))
             del runs
         seconds.append(max(statistics.median(times), 1e-9))
         observe_seconds.append(max(statistics.median(observe), 1e-9) if observe else 0.0)
