@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The fast-engine run on one H200 (issues 21 and 22), one phase per device call (each well under the 10-minute
+# limit of a call), every result written to $OUT. Stage first (`python ../shared/stage_offline.py`, one call per
+# chunk running `bash .device-stage/N/unstage.sh`), then, back to back while the machine is warm:
+#
+#   PHASE=tests bash experiments/runs/engine_h200.sh        # tests/test_engine_cuda.py  -> engine_cuda_tests.log
+#   PHASE=speed bash experiments/runs/engine_h200.sh        # benchmarks/speed.py --compile both -> speed.json
+#   PHASE=validate bash experiments/runs/engine_h200.sh     # simulator_validation.json (+ .md, .png, cost.json)
+#   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
+#
+# HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings.
+# CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
+# DSpark / DFlash / EAGLE-3 rows trained ones; without it they are random-initialised (tau ~1: the rows then
+# measure the engine's overhead at that tau, and the results say so). COMPILE=1 adds --compile to the validate and
+# concurrency phases (decide from speed.json's two plain rows). The first phase of a fresh machine converts the
+# staged GGUF into $DSPARK_CACHE (about 20 s), which later phases reuse while the machine stays warm.
+set -euo pipefail
+OUT=${OUT:?set OUT}
+PHASE=${PHASE:?set PHASE to tests, speed, validate or concurrency}
+STAGE=${STAGE:-/tmp/dspark-stage}
+mkdir -p "$OUT" /tmp/site
+if ! python3 -c "import gguf" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$STAGE"/*.whl
+fi
+export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 WANDB_MODE=offline
+export DSPARK_CACHE=${DSPARK_CACHE:-/tmp/dspark-cache}
+DSPARK_SMOLLM2_GGUF=${DSPARK_SMOLLM2_GGUF:-$(ls "$STAGE"/*.gguf | head -1)}
+export DSPARK_SMOLLM2_GGUF
+paths=()
+if [ -n "${CHECKPOINTS:-}" ]; then
+  for d in dspark dflash eagle3; do [ -d "$CHECKPOINTS/$d" ] && paths+=("$d=$CHECKPOINTS/$d"); done
+fi
+compile=()
+if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
+case "$PHASE" in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py 2>&1 | tee "$OUT/engine_cuda_tests.log" ;;
+  speed)
+    python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile both ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
+      --out-dir "$OUT" ;;
+  validate)  # ~7 decodes per C (traces, plain, 2 drafters x 2 policies)
+    python3 -m experiments simulator_validation --host "${HOST:-smollm2}" "${compile[@]}" --drafters ngram dspark \
+      ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-length 7 \
+      --concurrency ${CONC:-1 8 64} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" --out-dir "$OUT" ;;
+  concurrency)  # 1 + drafters x 4 decodes per C, max(C, NUM_PROMPTS) requests each: split CONC over calls if slow
+    python3 -m experiments concurrency --host "${HOST:-smollm2}" "${compile[@]}" --drafters ${DRAFTERS:-ngram dspark eagle3} \
+      ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
+      --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
+      --out-dir "$OUT" ;;
+  *)
+    echo "unknown PHASE=$PHASE (tests, speed, validate, concurrency)" >&2; exit 2 ;;
+esac
