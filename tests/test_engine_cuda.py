@@ -40,7 +40,8 @@ def test_graph_rounds_equal_eager_solo(cuda_host, name, sampling, tmp_path):
     got = generate(cuda_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, sampling=sampling,
                    seeds=seeds, concurrency=2, graphs=True)
     used = set(got.engine["widths"])  # verify widths (L + 1) the rounds ran at, each captured on first use
-    whole = drafter is None or drafter.capturable  # verify-all is capturable: the propose stage is captured too
+    # verify-all is capturable: the propose stage is captured too (plain decoding has none to capture)
+    whole = drafter is not None and drafter.capturable
     prefills = got.engine["prefill_graphs"]  # one per (arrivals, prompt width) shape: 6 arrivals, 1 or 2 at a time
     assert 1 <= prefills <= 4 and got.engine["graphs"] == 2 * len(used) + whole + prefills and got.batches > 1
     if name in ("mtp", "ngram"):  # proposals shorter than K: narrower forwards than K + 1

@@ -9,6 +9,9 @@ writes past a slot's committed end (host and drafter cache rows, seq) is rewritt
 anything reads it. The graphs share one memory pool; every graph's outputs stay referenced and a round replays
 its graphs one after another, so their temporaries never overlap. With `timing`, CUDA events between the stages
 split each round's device time into draft / verify / accept (read once at the end, no sync per round).
+
+Lookahead (`lookahead_allowed`): where the verify width depends on device values, a round ends by proposing the
+next round's draft (the propose graph replayed once more) and writes its longest length into the round's copy.
 """
 from __future__ import annotations
 
@@ -78,7 +81,8 @@ class GraphRound:
             raise RuntimeError("capture the round while every slot is idle (warm-up rounds must commit nothing)")
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
         self.timer, self.warmup = StageTimer(timing), warmup
-        self.whole = drafter.capturable and getattr(verifier, "capturable", False)
+        # plain decoding (K = 0) never proposes: nothing to capture there
+        self.whole = K > 0 and drafter.capturable and getattr(verifier, "capturable", False)
         start = time.perf_counter()
         with _side_stream():  # why a side stream: kernels' lazy init stays out of the captured streams
             for _ in range(warmup):
