@@ -20,6 +20,7 @@ import functools
 import pytest
 import torch
 
+import dspark.engine.graphs as graphs
 from drafters import DRAFTERS
 from dspark.engine.decode import generate
 from dspark.engine.round import COLUMNS, width_bucket
@@ -30,6 +31,12 @@ from verifiers import build_verifier
 from verifiers.cost_model import CostModel
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+
+
+@pytest.fixture(autouse=True)
+def lookahead_on_the_cpu(monkeypatch):
+    """The runners propose each next draft at the end of a round on CUDA only; these tests run that path here."""
+    monkeypatch.setattr(graphs, "LOOKAHEAD_DEVICES", ("cuda", "cpu"))
 LENGTHS = [5, 1, 12, 7, 3, 9]
 LIMITS = [10, 4, 14, 6, 12, 3]  # different budgets: slots free at different rounds
 SEEDS = [500 + 7 * i for i in range(len(LENGTHS))]

@@ -75,8 +75,8 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     request i finishes there (reason "stop"), which is how external stopping rules plug in.
 
     engine "slots" is the slot engine (dspark.engine: fixed shapes, a few verify widths, one device-to-host copy
-    per round, two in a round after an admission when the verify width depends on device values and in every
-    round of the (unlagged) scheduler; CUDA graphs on CUDA unless graphs=False; timing splits its rounds' device
+    per round on CUDA, two in a round after an admission when the verify width depends on device values and in
+    every round of the (unlagged) scheduler; CUDA graphs on CUDA unless graphs=False; timing splits its rounds' device
     time by stage); "eager" is the reference loop below, the oracle the engine is tested against.
     """
     _check_engine(engine, concurrency)

@@ -25,6 +25,11 @@ from dspark.engine.round import AHEAD, Draft, accept, drafts_to_verify, no_draft
     width_on_cpu
 
 
+#: devices where runners propose ahead: where a device read stalls the host (CUDA). On the CPU a read costs
+#: nothing, while a draft proposed ahead is wasted whenever an admission follows (the arrivals need a fresh one)
+LOOKAHEAD_DEVICES = ("cuda",)
+
+
 def lookahead_allowed(verifier) -> bool:
     """Whether a runner may propose the next round's draft at the end of this round, after its commit: the verifier
     drafts every round (the base `draft_next`) and its lengths depend on the draft alone (`capturable`: no Python
@@ -45,7 +50,7 @@ class EagerRound:
     def __init__(self, slots, host, drafter, verifier, K: int, *, timing: bool = False) -> None:
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
         self.timer = StageTimer(timing and host.device.type == "cuda")
-        self.lookahead = lookahead_allowed(verifier)
+        self.lookahead = lookahead_allowed(verifier) and host.device.type in LOOKAHEAD_DEVICES
         self.ahead: Draft | None = None  # the next round's draft, proposed at the end of the last round
 
     def __call__(self, drafting: bool = True, ahead: int | None = None) -> tuple[torch.Tensor, Draft, int]:

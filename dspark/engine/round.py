@@ -13,8 +13,8 @@ verified row, rounded up to a bucket, so the forward is only as wide as what is 
 lengths save host compute, as they do in the eager loop) while shapes stay few: verify and accept run at one of a
 few widths, each captured once as a CUDA graph (dspark.engine.graphs) and replayed. What the CPU needs from a round
 (new tokens, counts, the finite flags) is packed into one tensor, the round's device-to-host copy. When L depends on
-device values (see `drafts_to_verify`) the runner proposes the next round's draft at the end of this round and
-packs its longest length into the same copy (column AHEAD), so a round makes a second copy only when that draft
+device values (see `drafts_to_verify`) the runner on CUDA proposes the next round's draft at the end of this round
+and packs its longest length into the same copy (column AHEAD), so a round makes a second copy only when that draft
 was not made: the first round, and after an admission.
 """
 from __future__ import annotations

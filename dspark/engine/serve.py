@@ -1,8 +1,8 @@
 """The continuous-batching driver: C slots, a queue of requests, rounds until every request has stopped.
 
 Each iteration: one round over all slots (dspark.engine.round, eager or replayed graphs), its device-to-host copy
-(one: where the verify width depends on device values it rides in the previous round's copy, graphs.lookahead_allowed,
-but for a round after an admission), then on the CPU the commit
+(one: where the verify width depends on device values it rides in the previous round's copy on CUDA,
+graphs.lookahead_allowed, but for a round after an admission), then on the CPU the commit
 of each live slot's new tokens (stops, budgets, streaming callbacks, the round log), retirement of the requests
 that stopped, and admission of queued requests into the freed slots, each with its own prefill (batched with the
 other arrivals of that moment; replayed as a CUDA graph where the rounds are, dspark.engine.prefill). Static-batch
