@@ -270,18 +270,20 @@ _TAG = re.compile(r"^(?P<drafter>.+)_(?P<set>sharegpt|humaneval)_T(?P<t>\d+(?:\.
 
 
 def draft_ms(previous: dict) -> dict:
-    """{drafter: {rows: ms of its propose step at gamma}}: earlier sessions' merged with RUN/draft_cost/*.json."""
+    """{drafter: {rows: ms of its own work per round at gamma}}: its propose step plus its observe of the round's
+    committed positions (where the table has it), earlier sessions' merged with RUN/draft_cost/*.json."""
     out = dict(previous.get("draft_ms", {}))
     for path in sorted((RUN / "draft_cost").glob("*.json")):
         (entry,) = json.loads(path.read_text())["draft"].values()
-        out[path.stem] = {str(r): 1000 * s for r, s in zip(entry["batch_sizes"], entry["seconds"])}
+        observe = entry.get("observe_seconds", [0.0] * len(entry["seconds"]))
+        out[path.stem] = {str(r): 1000 * (s + o) for r, s, o in zip(entry["batch_sizes"], entry["seconds"], observe)}
     return out
 
 
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
     acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, `draft_ms` (each drafter's own
-    step at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one request's draft step: tau per unit
+    work per round, propose plus observe, at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one request's draft step: tau per unit
     of draft cost), and what is still missing."""
     drafts = drafts or {}
     keys = {}
