@@ -226,8 +226,8 @@ def main(argv=None) -> int:
 
 
 def table(r: dict) -> str:
-    lines = [f"| method | C | tok/s | tau | ratio to plain | ms/round draft / verify / accept / bookkeeping | graphs "
-             f"| warm-up s | in flight |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | C | tok/s | tau | ratio to plain | ms/round draft / verify / accept / bookkeeping | graphs "
+             "| warm-up s | in flight |", "|---|---|---|---|---|---|---|---|---|"]
     lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | |")
     lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} | | | | | | |")
     lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | "

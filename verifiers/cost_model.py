@@ -281,9 +281,10 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
     steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for a round at
     that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same (bucketed) cache
     prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
-    the same context. CUDA is synchronised around each timed step. `mode` "graph" (the default on CUDA, see
-    resolve_mode) times the step as the slot engine runs it there: captured once per point as a CUDA graph over the
-    whole cache (attend=None) and replayed.
+    the same context. A timed step includes the LM head over every position and the argmax over the logits (what
+    the round's greedy acceptance reads). CUDA is synchronised around each timed step. `mode` "graph" (the default
+    on CUDA, see resolve_mode) times the step as the slot engine runs it there: captured once per point as a CUDA
+    graph over the whole cache (attend=None) and replayed.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -310,8 +311,10 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
                 # the logits too, and a pass over them: the engine's round runs the LM head over every verified
                 # position (a large share of a small host's step, SmolLM2: 28 M of its 135 M weights) and its
                 # acceptance reads them (the argmax of greedy decoding), both growing with the width
-                run = _runner(lambda: host.logits(host.step(cache, tokens, n_valid, attend=attend).hidden).argmax(-1),
-                              device, mode, warmup)
+                def step(cache=cache, tokens=tokens, n_valid=n_valid, attend=attend):
+                    return host.logits(host.step(cache, tokens, n_valid, attend=attend).hidden).argmax(-1)
+
+                run = _runner(step, device, mode, warmup)
                 seconds = _timed(run, device, warmup, repeats)
                 del run
             points.append({"batch_size": R, "tokens_per_request": T, "tokens": R * T,
