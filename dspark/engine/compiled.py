@@ -18,6 +18,9 @@ compilation per step shape, shared by all layers: the weights are arguments, the
 so only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills of arbitrary length
 run the eager layers.
 
+It pays under CUDA graphs (the slot engine's default on CUDA), where the pieces run only while a round is captured;
+called eagerly, every piece also pays dynamo's guard check per call (three per layer).
+
 Same math as Host._layer up to the rounding of fused kernels: tests/test_compiled.py compares logits and greedy
 tokens with the eager step in float32 on the CPU (where inductor generates C++).
 """

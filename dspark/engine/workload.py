@@ -54,6 +54,8 @@ def run_workload(host, prompts: list[list[int]], *, concurrency: int, drafter=No
         "ttft_s_mean": sum(out.ttft) / len(out.ttft),
         "latency_s_mean": sum(out.latency) / len(out.latency),
         "graphs": out.engine["graphs"],
+        "prefill_graphs": out.engine["prefill_graphs"],
+        "admit_s": out.engine["admit_s"],
         "warmup_s": out.engine["warmup_s"],
         "stage_s": out.engine["stage_s"],
         "in_flight": in_flight,
