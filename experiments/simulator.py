@@ -88,9 +88,9 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     ell (dspark.engine.round.width_bucket), B = C (L + 1), and the draft step covers C rows (`draft_seconds(C)`,
     e.g. a cost table's profiled draft entry, else `draft_ms`), and a request's first new token comes from its
     admission's prefill, before its first step. `observe_seconds(rows)`, when given, prices the drafter's observe
-    of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too). `step_overhead_ms` is added to every step (the
-    engine's acceptance and CPU bookkeeping) and `admission_ms` to every step that admits requests (one prefill
-    per group of arrivals)."""
+    of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too).
+    `step_overhead_ms` is added to every step (the engine's acceptance and CPU bookkeeping) and `admission_ms` to
+    every step that admits requests (one prefill per group of arrivals)."""
     from dspark.engine.round import width_bucket
 
     if concurrency < 1 or requests < 1:

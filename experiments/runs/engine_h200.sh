@@ -41,9 +41,11 @@ case "$PHASE" in
   validate)  # ~7 decodes per C (traces, plain, 2 drafters x 2 policies)
     python3 -m experiments simulator_validation --host "${HOST:-smollm2}" "${compile[@]}" --drafters ngram dspark \
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-length 7 \
-      --concurrency ${CONC:-1 8 64} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" --out-dir "$OUT" ;;
+      --concurrency ${CONC:-1 8 64} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
+      --out-dir "$OUT" ;;
   concurrency)  # 1 + drafters x 4 decodes per C, max(C, NUM_PROMPTS) requests each: split CONC over calls if slow
-    python3 -m experiments concurrency --host "${HOST:-smollm2}" "${compile[@]}" --drafters ${DRAFTERS:-ngram dspark eagle3} \
+    python3 -m experiments concurrency --host "${HOST:-smollm2}" "${compile[@]}" \
+      --drafters ${DRAFTERS:-ngram dspark eagle3} \
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
