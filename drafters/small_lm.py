@@ -94,11 +94,11 @@ class SmallLMDrafter(Drafter):
     @torch.no_grad()
     def prefill(self, *, state: DraftState) -> None:
         """Feed every committed token but the anchor (the prompt), eagerly, so rounds feed only a few."""
-        self._feed(state, state.seq_len - 1 - self.cache.lengths)
+        n = state.seq_len - 1 - self.cache.lengths
+        self._feed(state, n, int(n.max()))
 
-    def _feed(self, state: DraftState, n: torch.Tensor) -> None:
-        """Feed the next n (B,) committed tokens of each row (one ragged step of the widest; one device read)."""
-        width = int(n.max())
+    def _feed(self, state: DraftState, n: torch.Tensor, width: int) -> None:
+        """Feed the next n (B,) committed tokens of each row, width = max(n), in one ragged step."""
         if width > 0:
             index = (self.cache.lengths.unsqueeze(1) + torch.arange(width, device=n.device)).clamp(
                 max=state.seq.shape[1] - 1)  # (B, width)
@@ -112,14 +112,17 @@ class SmallLMDrafter(Drafter):
             raise ValueError(f"the small-LM drafter drafts at most {SPARE_POSITIONS} tokens a round, asked for {K}")
         B = state.seq.shape[0]
         cache, device = self.cache, state.seq.device
-        W = K + 1
+        W, attend = K + 1, None  # None: the whole cache (fixed shapes, capturable)
         if not capturing(device):
-            self._feed(state, state.seq_len - cache.lengths - W)  # the backlog past W (plain rounds, no prefill)
+            backlog = state.seq_len - cache.lengths - W  # (B,) past W only after plain rounds, or without a prefill
+            width, end = (int(x) for x in torch.stack([backlog.max(), state.seq_len.max()]).cpu())  # one read
+            self._feed(state, backlog, width)
+            attend = end  # called eagerly: attend only the (bucketed) committed prefix, as the host step does
         # committed tokens not fed yet, the anchor last; 0 only on an idle slot proposed twice without a commit
         # (the graph runner's warm-up), whose drafts are never verified
         pending = (state.seq_len - cache.lengths).clamp(0, W)  # (B,)
         index = (cache.lengths.unsqueeze(1) + torch.arange(W, device=device)).clamp(max=state.seq.shape[1] - 1)
-        out = self.lm.step(cache, state.seq.gather(1, index), pending)  # (B, W) fixed width, the whole cache
+        out = self.lm.step(cache, state.seq.gather(1, index), pending, attend=attend)  # (B, W) fixed width
         last = (pending - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, out.hidden.shape[-1])
         h = out.hidden.gather(1, last)[:, 0]  # (B, H)
         cache.advance(pending)  # the pending committed tokens are fed now
@@ -132,7 +135,8 @@ class SmallLMDrafter(Drafter):
             tokens.append(token)
             qs.append(q)
             if k < K - 1:  # x_K is never fed this round: the host decides it first
-                h = self.lm.step(cache, token.unsqueeze(1), ones).hidden[:, 0]  # (B, H)
+                h = self.lm.step(cache, token.unsqueeze(1), ones,
+                                 attend=None if attend is None else attend + k + 1).hidden[:, 0]  # (B, H)
                 cache.advance(ones)
         self.drafted_end.copy_(cache.lengths)  # committed + K-1 drafted positions (in place: see Drafter.capturable)
         cache.rollback(committed)
