@@ -426,8 +426,9 @@ def cmd_profile(argv) -> int:
     print(f"wrote {p.out} ({cost.mode} steps): SPS at B = "
           + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
     for key, entry in cost.draft.items():
-        print(f"  draft step {key}: " + ", ".join(f"R={r}: {1000 * t:.2f} ms" for r, t in
-                                                  zip(entry["batch_sizes"], entry["seconds"])))
+        observe = entry.get("observe_seconds", [0.0] * len(entry["seconds"]))
+        print(f"  draft step {key}: " + ", ".join(f"R={r}: {1000 * t:.2f} ms (observe {1000 * o:.2f} ms)" for r, t, o
+                                                  in zip(entry["batch_sizes"], entry["seconds"], observe)))
     return 0
 
 
