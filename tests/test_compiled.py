@@ -76,3 +76,17 @@ def test_unsupported_host_is_refused_with_the_reason():
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="gelu-host.*activation 'gelu'"):
         Host(model, name="gelu-host", compile=True)
+
+
+def test_compilations_do_not_grow_with_the_step_shapes():
+    """Nine step shapes (rows x verify widths) compile each of the three pieces a few times, not once per shape."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    host = Host(tiny_model("llama"), name="tiny", compile=True)
+    for B in (2, 3, 5):
+        for T in (2, 4, 8):
+            host.step(host.new_cache(B, 48), torch.zeros(B, T, dtype=torch.long), torch.full((B,), T))
+    assert 3 <= counters["stats"]["unique_graphs"] <= 9  # static: 27

@@ -13,10 +13,11 @@ The seam between layers: layer i's output projection, residual, MLP and residual
 i + 1's input norm, q|k|v projection, q/k norms (Qwen3) and rotary (`_mid`), so a residual add and the next norm are
 one kernel; the last layer's piece ends with the final norm. Left outside the compiled pieces, between them: the
 KV-cache write (an in-place scatter into a view of the whole cache, which compiled code would copy out and back)
-and attention (SDPA, already one kernel). The pieces are compiled once per Host with static shapes (one
-compilation per step shape, shared by all layers: the weights are arguments, the sizes constants of the closure),
-so only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills of arbitrary length
-run the eager layers.
+and attention (SDPA, already one kernel). The pieces are compiled per Host and shared by all layers (the weights
+are arguments, the head counts constants of the closure). Shapes: torch.compile's default, static for the first
+step shape and dynamic in the tokens from the second on, so a run over several concurrencies and verify widths
+compiles each piece about twice, not once per shape (on the H200 each compilation costs seconds of warm-up). Only
+decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills run the eager layers.
 
 It pays under CUDA graphs (the slot engine's default on CUDA), where the pieces run only while a round is captured;
 called eagerly, every piece also pays dynamo's guard check per call (three per layer).
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 from dspark.engine.rotary import rope
 
 COMPILE_MAX_T = 16  # widest step that runs compiled by default: verify widths (K + 1 <= 16), not prefills
-# why raised: dynamo recompiles a piece per step shape (B, T, W) and by default gives up after 8, falling back to
-# eager for good; a run with several concurrencies and verify-width buckets needs more (each is one compilation)
+# why raised: dynamo recompiles a piece when a guard fails (a first static shape, then a dynamic one; sizes 0 and 1
+# are always their own) and by default gives up after 8, falling back to eager for good
 RECOMPILE_LIMIT = 64
 
 
@@ -85,7 +86,7 @@ class CompiledLayers:
             x = attn_out_mlp(x, o, *post)
             return x, rms(x, final_norm)
 
-        self.first, self.mid, self.last = (torch.compile(f, dynamic=False) for f in (attn_in, mid, last))
+        self.first, self.mid, self.last = (torch.compile(f) for f in (attn_in, mid, last))
         self.pre, self.post = [], []
         for i, layer in enumerate(host.layers):
             a, mlp = layer.self_attn, layer.mlp
