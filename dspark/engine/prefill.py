@@ -21,7 +21,7 @@ import torch
 
 from dspark.engine.kv_cache import KVCache
 
-GRAPH_ROWS = 16  # arrivals per replay (more are prefilled in groups of this many)
+GRAPH_ROWS = 16  # arrivals per replay (more at once are prefilled as called, in one forward)
 GRAPH_PROMPT = 1024  # widest prompt bucket that is captured
 
 
