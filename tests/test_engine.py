@@ -78,13 +78,13 @@ def solo(host, drafter, verifier, prompt, limit, seed, sampling):
     return out.token_ids[0]
 
 
-def check_against_solo(host, drafter_name, verifier_name, sampling, concurrency, order):
+def check_against_solo(host, drafter_name, verifier_name, sampling, concurrency, order, graphs=None):
     drafter = None if drafter_name == "none" else drafter_of(drafter_name, host)
     prompts = prompts_of(host)
     ids = [order(list(range(len(prompts))))][0]
     got = generate(host, [prompts[i] for i in ids], drafter=drafter, verifier=verifier_of(verifier_name),
                    draft_length=K, max_new_tokens=[LIMITS[i] for i in ids], sampling=sampling,
-                   seeds=[SEEDS[i] for i in ids], concurrency=concurrency)
+                   seeds=[SEEDS[i] for i in ids], concurrency=concurrency, graphs=graphs)
     assert got.batches > 1  # requests were admitted at different rounds
     for j, i in enumerate(ids):
         want = solo(host, drafter, verifier_of(verifier_name), prompts[i], LIMITS[i], SEEDS[i], sampling)
@@ -92,18 +92,26 @@ def check_against_solo(host, drafter_name, verifier_name, sampling, concurrency,
     return got
 
 
+# graphs "static": the CUDA-graph round runner's own code (static buffers, widths captured mid-run with the slots
+# paused, lookahead into the captured draft's buffers, static prefill) with each graph re-run instead of replayed
+RUNNERS = pytest.mark.parametrize("graphs", [None, "static"], ids=["eager-rounds", "static-graph-rounds"])
+
+
+@RUNNERS
 @pytest.mark.parametrize("drafter_name", ["none", "dspark-trained"] + sorted(set(DRAFTERS) - {"dspark"}))
-def test_every_drafter_equals_solo_eager(tiny_host, drafter_name):
+def test_every_drafter_equals_solo_eager(tiny_host, drafter_name, graphs):
     for sampling in (GREEDY, T1):
         for concurrency, order in ((2, lambda x: x), (3, lambda x: x[::-1])):
-            check_against_solo(tiny_host, drafter_name, "full", sampling, concurrency, order)
+            check_against_solo(tiny_host, drafter_name, "full", sampling, concurrency, order, graphs)
 
 
+@RUNNERS
 @pytest.mark.parametrize("verifier_name", ["threshold", "scheduler", "lagged"])
-def test_every_verifier_equals_solo_eager(tiny_host, verifier_name):
+def test_every_verifier_equals_solo_eager(tiny_host, verifier_name, graphs):
     samplings = (GREEDY, T1) if verifier_name == "threshold" else (GREEDY,)
     for sampling in samplings:
-        got = check_against_solo(tiny_host, "dspark-trained", verifier_name, sampling, 2, lambda x: x[1:] + x[:1])
+        got = check_against_solo(tiny_host, "dspark-trained", verifier_name, sampling, 2, lambda x: x[1:] + x[:1],
+                                 graphs)
         assert int(got.log.column("accepted").sum()) > 0  # acceptance was exercised
 
 
@@ -137,7 +145,8 @@ def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
     # its capacity is decided a round ahead and rides in the round's copy; the first two rounds have no history
     ("dspark-trained", "lagged", lambda rounds: 2),
 ], ids=["full-K", "full-mtp", "full-ngram", "threshold", "lagged"])
-def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of):
+@RUNNERS
+def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of, graphs):
     copies = []
     real = torch.Tensor.cpu
 
@@ -147,7 +156,7 @@ def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, v
 
     prompts = prompts_of(tiny_host)
     drafter = drafter_of(drafter_name, tiny_host)
-    kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=8)
+    kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=8, graphs=graphs)
     generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)  # warm lazy inits
     monkeypatch.setattr(torch.Tensor, "cpu", counting)
     out = generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)
@@ -159,7 +168,8 @@ def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, v
     assert len(copies) - len(round_copies) - len(width_reads) <= 2
 
 
-def test_continuous_batching_reads_a_width_only_after_admissions(tiny_host, monkeypatch):
+@RUNNERS
+def test_continuous_batching_reads_a_width_only_after_admissions(tiny_host, monkeypatch, graphs):
     """With requests arriving as others stop, a device-side width (n-gram lengths) is read before the forward only
     in a round after an admission (the first round included); the tokens are still the eager loop's."""
     drafter, prompts = drafter_of("ngram", tiny_host), prompts_of(tiny_host)
@@ -167,7 +177,7 @@ def test_continuous_batching_reads_a_width_only_after_admissions(tiny_host, monk
     real = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **kw: (reads.append(self.dim() == 0), real(self))[1])
     got = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS, seeds=SEEDS,
-                   concurrency=2)
+                   concurrency=2, graphs=graphs)
     monkeypatch.undo()
     assert got.rounds > got.engine["admissions"] > 2 and sum(reads) == got.engine["admissions"]
     for i, p in enumerate(prompts):

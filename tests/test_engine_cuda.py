@@ -101,3 +101,39 @@ def test_graph_mode_profiles_replayed_steps(cuda_host, name, tmp_path):
     entries = [profile_draft(cuda_host, drafter, draft_length=K, mode=m, **kw) for m in ("auto", "eager")]
     assert entries[0]["mode"] == "graph" and entries[1]["mode"] == "eager"
     assert entries[0]["seconds"][0] <= 1.25 * entries[1]["seconds"][0]
+
+
+def test_lookahead_on_a_smollm2_sized_host_keeps_the_packed_output(tmp_path, monkeypatch):
+    """A SmolLM2-shaped host (random weights, its 49k vocabulary: graph temporaries of a real size) with n-gram
+    drafts, the lookahead's propose replayed after accept: every round's packed output (what the CPU commits) says
+    what the device committed, and every request gets its whole budget. Before the propose graph had a
+    pool of its own, its replay could overwrite the packed output before the copy read it (on the H200, a
+    device-side index error in the second request of `benchmarks/speed.py`'s drop-in row)."""
+    from dspark.engine import graphs
+    from dspark.engine.models import load_host
+    from dspark.engine.round import N_ACCEPTED
+
+    rounds, disagree = [0], [0]
+    replay = graphs.GraphRound.__call__
+
+    def checked(self, drafting=True, ahead=None):
+        seq_len, live = self.slots.state.seq_len.clone(), self.slots.active.clone()
+        out, draft, L = replay(self, drafting, ahead)
+        grew = (self.slots.state.seq_len - seq_len)[live]
+        rounds[0] += 1
+        disagree[0] += int((grew != (out[:, self.K + 1 + N_ACCEPTED] + 1)[live]).sum())
+        return out, draft, L
+
+    monkeypatch.setattr(graphs.GraphRound, "__call__", checked)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    host = load_host("random:smollm2", dtype="float32", device="cuda")
+    ngram = build_any("ngram", host, tmp_path)
+    base = random_prompts([24, 40, 9, 31], host.vocab_size, seed=3)
+    prompts = [p + p[: len(p) // 2] + p for p in base]  # repeats: the n-gram drafter finds matches
+    for C in (1, 3):
+        got = generate(host, prompts, drafter=ngram, draft_length=K, max_new_tokens=48, concurrency=C, graphs=True)
+        assert got.engine["widths"] and max(got.engine["widths"]) > 1  # drafts were verified
+        assert rounds[0] > 0 and disagree[0] == 0, f"C={C}: {disagree[0]} rows of {rounds[0]} rounds"
+        assert [len(t) for t in got.token_ids] == [48] * len(prompts)
+    # token equality with the eager loop is test_graph_rounds_equal_eager_solo's (a tiny host, whose logits have no
+    # near-ties between the two paths' roundings; this random 30-layer host's nearly flat logits could have some)

@@ -66,7 +66,7 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, seeds: Sequence[int] | None = None,
              stop_token_ids: Iterable[int] | None = None, batch_size: int | None = None, progress: bool = False,
              on_tokens: Callable[[int, list[int]], None] | None = None, concurrency: int | None = None,
-             engine: str = "slots", graphs: bool | None = None, timing: bool = False) -> GenerationResult:
+             engine: str = "slots", graphs: bool | str | None = None, timing: bool = False) -> GenerationResult:
     """Decode every prompt (lists of token ids); speculative when `drafter` is given, plain otherwise.
 
     Requests run in static batches of `batch_size` (default: all at once), or, with `concurrency` C, continuously:
@@ -76,8 +76,9 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
 
     engine "slots" is the slot engine (dspark.engine: fixed shapes, a few verify widths, one device-to-host copy
     per round on CUDA, two in a round after an admission when the verify width depends on device values and in
-    every round of the (unlagged) scheduler; CUDA graphs on CUDA unless graphs=False; timing splits its rounds' device
-    time by stage); "eager" is the reference loop below, the oracle the engine is tested against.
+    every round of the (unlagged) scheduler; CUDA graphs on CUDA unless graphs=False ("static": the graph path
+    without capture, any device); timing splits its rounds' device time by stage); "eager" is the reference loop
+    below, the oracle the engine is tested against.
     """
     _check_engine(engine, concurrency)
     n = len(prompts)

@@ -6,8 +6,12 @@ slot is idle) when the drafter and the verifier are tensor-only (`capturable`), 
 is copied into the captured graphs' inputs. A width captured mid-run is warmed up and captured with every slot
 paused (`active` cleared for the capture): paused slots commit nothing, exactly as idle ones, and what the warm-up
 writes past a slot's committed end (host and drafter cache rows, seq) is rewritten by the real round before
-anything reads it. The graphs share one memory pool; every graph's outputs stay referenced and a round replays
-its graphs one after another, so their temporaries never overlap. With `timing`, CUDA events between the stages
+anything reads it. Verify and accept share one memory pool: every graph's outputs stay referenced, so a later
+capture never places its temporaries in them, but a graph captured later may place its outputs in an earlier one's
+temporaries; that is safe while no graph replays between a graph and the reading of its outputs. A round replays
+verify, then accept, and its packed output is read after the lookahead's propose: so the propose graph has a pool
+of its own (sharing one, its replay can overwrite the packed output before the copy reads it: the CPU then commits
+other counts than the device did). With `timing`, CUDA events between the stages
 split each round's device time into draft / verify / accept (read once at the end, no sync per round).
 
 Lookahead (`lookahead_allowed`): where the verify width depends on device values, a round ends by proposing the
@@ -81,37 +85,60 @@ class EagerRound:
 class GraphRound:
     """The stages captured as CUDA graphs: propose once (or eager), verify and accept once per width bucket L."""
 
-    def __init__(self, slots, host, drafter, verifier, K: int, *, timing: bool = False, warmup: int = 2) -> None:
+    def __init__(self, slots, host, drafter, verifier, K: int, *, timing: bool = False, warmup: int = 2,
+                 capture: bool = True) -> None:
+        """capture False ("static" rounds): the same buffers, warm-ups, mid-run captures and lookahead, but every
+        graph is its function run again and its outputs copied into the first run's buffers: the CPU tests' view
+        of this class (a replay and a re-run differ only where a value was frozen at capture)."""
         if slots.in_flight():
             raise RuntimeError("capture the round while every slot is idle (warm-up rounds must commit nothing)")
         self.slots, self.host, self.drafter, self.verifier, self.K = slots, host, drafter, verifier, K
-        self.timer, self.warmup = StageTimer(timing), warmup
+        self.capture = capture
+        self.timer, self.warmup = StageTimer(timing and capture), warmup
         # plain decoding (K = 0) never proposes: nothing to capture there
         self.whole = K > 0 and drafter.capturable and getattr(verifier, "capturable", False)
         start = time.perf_counter()
-        with _side_stream():  # why a side stream: kernels' lazy init stays out of the captured streams
+        with self._side_stream():  # why a side stream: kernels' lazy init stays out of the captured streams
             for _ in range(warmup):
                 propose(slots, drafter, verifier, K)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.g_propose = torch.cuda.CUDAGraph() if self.whole else None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # verify and accept (module docstring)
         if self.whole:  # a capturable drafter has no Python branching on values: its `width` is the same every round
-            with torch.cuda.graph(self.g_propose, pool=self.pool):
-                self.draft = propose(slots, drafter, verifier, K)
+            own = torch.cuda.graph_pool_handle() if capture else None
+            self.g_propose, self.draft = self._record(lambda: propose(slots, drafter, verifier, K), pool=own)
         else:  # static input buffers filled from the eager propose each round
+            self.g_propose = None
             eager = propose(slots, drafter, verifier, K)
             self.draft = Draft(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(eager).items()})
         self.captured_width = self.draft.width
-        torch.cuda.synchronize()
+        self._synchronize()
         verifier.begin(batch_size=slots.capacity)  # the idle warm-up rounds leave no history (lagged scheduler)
         self.widths: dict[int, tuple] = {}  # L -> (verify graph, accept graph, packed output, its input)
         self.graphs = 1 if self.whole else 0
         self.warmup_s = time.perf_counter() - start
         self.lookahead = lookahead_allowed(verifier)
 
+    def _record(self, fn, pool=None):
+        """(replay, outputs): fn captured as a CUDA graph in `pool` (default: the verify and accept pool), or
+        (static) fn itself, re-run on replay with its fresh outputs copied into the first run's."""
+        if not self.capture:
+            out = fn()
+            return (lambda: _copy_into(out, fn())), out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool if pool is None else pool):
+            out = fn()
+        return graph, out
+
+    def _side_stream(self):
+        return _side_stream() if self.capture else contextlib.nullcontext()
+
+    def _synchronize(self) -> None:
+        if self.capture:
+            torch.cuda.synchronize()
+
     def _propose(self) -> None:
         """This round's draft into the static buffers: the propose graph replayed, or run eagerly and copied."""
         if self.whole:
-            self.g_propose.replay()
+            _replay(self.g_propose)
             self.draft.width = self.captured_width  # a plain round set it to 0
         else:
             fresh = propose(self.slots, self.drafter, self.verifier, self.K)
@@ -135,9 +162,9 @@ class GraphRound:
             self._capture(L)
         g_verify, g_accept, out, _ = self.widths[L]
         self.timer.mark()
-        g_verify.replay()
+        _replay(g_verify)
         self.timer.mark()
-        g_accept.replay()
+        _replay(g_accept)
         self.timer.mark()
         used = self.draft
         if drafting and self.lookahead and width_on_cpu(self.slots, self.verifier, self.draft, self.K) is None:
@@ -154,20 +181,35 @@ class GraphRound:
         active = slots.active.clone()
         slots.active.zero_()
         try:
-            with _side_stream():
+            with self._side_stream():
                 for _ in range(self.warmup):
                     accept(slots, self.drafter, self.draft, verify(slots, self.host, self.draft, L, taps, None))
-            g_verify, g_accept = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g_verify, pool=self.pool):
-                verified = verify(slots, self.host, self.draft, L, taps, None)
-            with torch.cuda.graph(g_accept, pool=self.pool):
-                out = accept(slots, self.drafter, self.draft, verified)
+            g_verify, verified = self._record(lambda: verify(slots, self.host, self.draft, L, taps, None))
+            g_accept, out = self._record(lambda: accept(slots, self.drafter, self.draft, verified))
         finally:
             slots.active.copy_(active)
-        torch.cuda.synchronize()
+        self._synchronize()
         self.widths[L] = (g_verify, g_accept, out, verified)  # verified: kept alive, the accept graph reads it
         self.graphs += 2
         self.warmup_s += time.perf_counter() - start
+
+
+def _replay(graph) -> None:
+    """A captured graph's replay, or a static round's re-run (GraphRound._record)."""
+    if isinstance(graph, torch.cuda.CUDAGraph):
+        graph.replay()
+    else:
+        graph()
+
+
+def _copy_into(buffers, fresh) -> None:
+    """Copy a re-run's outputs (a tensor, Draft or Verified) into the first run's, as a replay would leave them."""
+    if isinstance(buffers, torch.Tensor):
+        buffers.copy_(fresh)
+        return
+    for name, buffer in vars(buffers).items():
+        if isinstance(buffer, torch.Tensor):
+            buffer.copy_(getattr(fresh, name))
 
 
 @contextlib.contextmanager
@@ -208,8 +250,11 @@ class StageTimer:
         return total
 
 
-def round_runner(slots, host, drafter, verifier, K: int, *, graphs: bool | None = None, timing: bool = False):
-    """GraphRound on CUDA (unless graphs=False), EagerRound otherwise."""
+def round_runner(slots, host, drafter, verifier, K: int, *, graphs: bool | str | None = None, timing: bool = False):
+    """GraphRound on CUDA (unless graphs=False), EagerRound otherwise; graphs="static" is GraphRound without
+    capture, on any device (its re-run rounds: how the CPU tests check the captured path's bookkeeping)."""
+    if graphs == "static":
+        return GraphRound(slots, host, drafter, verifier, K, timing=timing, capture=False)
     use = host.device.type == "cuda" if graphs is None else graphs
     if use and host.device.type != "cuda":
         raise ValueError("CUDA graphs need the host on a CUDA device")

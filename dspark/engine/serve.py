@@ -92,13 +92,14 @@ class EngineStats:
     admit_s: float = 0.0  # wall seconds admitting (prefills, first tokens, the drafter's admission), capture excluded
 
 
-def prefill_mode(graphs: bool) -> str:
-    """How arrivals are prefilled (dspark.engine.prefill): replayed graphs where the rounds replay theirs."""
-    return "graph" if graphs else "eager"
+def prefill_mode(graphs: bool | str) -> str:
+    """How arrivals are prefilled (dspark.engine.prefill): replayed graphs where the rounds replay theirs, static
+    buffers where the rounds re-run theirs (graphs="static")."""
+    return "static" if graphs == "static" else "graph" if graphs else "eager"
 
 
 def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
-          graphs: bool | None = None, timing: bool = False) -> EngineStats:
+          graphs: bool | str | None = None, timing: bool = False) -> EngineStats:
     """Decode every request with at most `concurrency` in flight, writing into `sink`."""
     C = max(1, min(concurrency, len(requests)))
     max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
