@@ -110,6 +110,16 @@ def drafters_for(host, names, checkpoints: Path | None, K: int):
     return out
 
 
+def llama8b_keys(compile_mode: str) -> dict:
+    """speed.json's llama-8b keys for --compile on, off or both (both: the eager layers' under *_eager_layers too)."""
+    keys = {}
+    if compile_mode == "both":
+        keys.update({f"{k}_eager_layers": v for k, v in llama8b(False).items()
+                     if k not in ("llama8b_weight_bytes", "copy_bandwidth_GBps")})
+    keys.update(llama8b(compile_mode != "off"))
+    return keys
+
+
 def llama8b(compile: bool, new: int = 32) -> dict:
     """Random llama-8b host, bf16, concurrency 1: the plain step against its weight-read floor."""
     host = load_host("random:llama-8b", dtype="bfloat16", device="cuda", compile=compile)
@@ -158,18 +168,30 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-length", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=NEW)
     ap.add_argument("--skip-llama8b", action="store_true")
+    ap.add_argument("--only-llama8b", action="store_true",
+                    help="run only the llama-8b step and add its keys to OUT/speed.json (a second device call)")
     ap.add_argument("--compile", choices=["on", "off", "both"], default="both",
                     help="decode steps through torch.compile'd host layers; both: plain and llama-8b both ways")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
     args = ap.parse_args(argv)
     K = args.draft_length
     NEW = args.max_new_tokens
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "torch": torch.__version__, "python": platform.python_version(), "host": args.host,
-           "command": "python benchmarks/speed.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    command = "python benchmarks/speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__, "python": platform.python_version(), "host": args.host, "command": command}
     import transformers
 
     env["transformers"] = transformers.__version__
+    if args.only_llama8b:  # a device call lasts at most 10 minutes: the 8B host can come in a call of its own
+        path = args.out_dir / "speed.json"
+        result = json.loads(path.read_text()) if path.is_file() else {"environment": env}
+        result.update(llama8b_keys(args.compile))
+        result["environment"]["command_llama8b"] = command
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(table(result) if "runs" in result else json.dumps(result, indent=1))
+        return 0
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
     ids = encode_prompts(host, MT_BENCH, chat=True) if host.tokenizer is not None else \
         [list(range(5 + 3 * i, 40 + 7 * i)) for i in range(6)]
@@ -177,9 +199,6 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     result["hf_generate_tok_s"] = hf_tok_s(host, ids)
     result["hf_prompt_lookup_tok_s"] = hf_tok_s(host, ids, prompt_lookup_num_tokens=K)
-    import dspark.hf
-
-    result["hf_custom_generate_tok_s"] = hf_tok_s(host, ids, custom_generate=dspark.hf.speculative("ngram"))
     print(f"hf done in {time.perf_counter() - t:.0f}s", flush=True)
     runs: dict = {"plain": {}}
     compiled = args.compile != "off"
@@ -194,12 +213,18 @@ def main(argv=None) -> int:
     for C in args.concurrency:
         runs["plain"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
         print("plain", C, round(runs["plain"][C]["tok_s"], 1), flush=True)
+        save_partial(args.out_dir, result, runs)
     for name, (drafter, how) in drafters_for(host, args.drafters, args.checkpoints, K).items():
         runs[name] = {}
         for C in args.spec_concurrency:
             runs[name][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C, drafter, K)
             runs[name][C]["drafter"] = how
             print(name, C, round(runs[name][C]["tok_s"], 1), "tau", round(runs[name][C]["tau"], 2), flush=True)
+            save_partial(args.out_dir, result, runs)
+    import dspark.hf
+
+    # after the engine rows (saved as they finish): a failure on the device here cannot take them with it
+    result["hf_custom_generate_tok_s"] = hf_tok_s(host, ids, custom_generate=dspark.hf.speculative("ngram"))
     result["plain_tok_s"] = {C: r["tok_s"] for C, r in runs["plain"].items()}
     plains = ("plain", "plain_eager_layers")
     if "plain_eager_layers" in runs:
@@ -210,19 +235,27 @@ def main(argv=None) -> int:
                              for name, rs in runs.items() if name not in plains}
     result["divergence"] = {name: divergence(runs["plain"][1]["tokens"], rs[1]["tokens"])
                             for name, rs in runs.items() if name not in plains and 1 in rs and 1 in runs["plain"]}
-    result["runs"] = {name: {C: {k: v for k, v in r.items() if k != "tokens"} for C, r in rs.items()}
-                      for name, rs in runs.items()}
+    result["runs"] = runs_json(runs)
     del host
     torch.cuda.empty_cache()
     if not args.skip_llama8b:
-        if args.compile == "both":
-            result.update({f"{k}_eager_layers": v for k, v in llama8b(False).items()
-                           if k not in ("llama8b_weight_bytes", "copy_bandwidth_GBps")})
-        result.update(llama8b(compiled))
+        result.update(llama8b_keys(args.compile))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     return 0
+
+
+def save_partial(out_dir: Path, result: dict, runs: dict) -> None:
+    """What the run has measured so far, in OUT/speed.partial.json (a device call cut at its time limit keeps it)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "speed.partial.json").write_text(json.dumps({**result, "runs": runs_json(runs)}, indent=1) + "\n")
+
+
+def runs_json(runs: dict) -> dict:
+    """The runs as speed.json keeps them: every field but the decoded tokens."""
+    return {name: {C: {k: v for k, v in r.items() if k != "tokens"} for C, r in rs.items()}
+            for name, rs in runs.items()}
 
 
 def table(r: dict) -> str:

@@ -5,6 +5,7 @@
 #
 #   PHASE=tests bash experiments/runs/engine_h200.sh        # tests/test_engine_cuda.py  -> engine_cuda_tests.log
 #   PHASE=speed bash experiments/runs/engine_h200.sh        # benchmarks/speed.py --compile both -> speed.json
+#   PHASE=llama8b bash experiments/runs/engine_h200.sh      # the random llama-8b step, added to that speed.json
 #   PHASE=validate bash experiments/runs/engine_h200.sh     # simulator_validation.json (+ .md, .png, cost.json)
 #   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
 #
@@ -16,7 +17,7 @@
 # staged GGUF into $DSPARK_CACHE (about 20 s), which later phases reuse while the machine stays warm.
 set -euo pipefail
 OUT=${OUT:?set OUT}
-PHASE=${PHASE:?set PHASE to tests, speed, validate or concurrency}
+PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate or concurrency}
 STAGE=${STAGE:-/tmp/dspark-stage}
 mkdir -p "$OUT" /tmp/site
 if ! python3 -c "import gguf" 2>/dev/null; then
@@ -34,10 +35,15 @@ compile=()
 if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
 case "$PHASE" in
   tests)
-    python3 -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py 2>&1 | tee "$OUT/engine_cuda_tests.log" ;;
-  speed)
+    python3 -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py tests/test_compiled.py tests/test_prefill.py 2>&1 \
+      | tee "$OUT/engine_cuda_tests.log" ;;
+  speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
     python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile both ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
-      --out-dir "$OUT" ;;
+      --skip-llama8b --out-dir /tmp/speedrun || true
+    cp /tmp/speedrun/speed*.json "$OUT"/ ;;
+  llama8b)
+    python3 benchmarks/speed.py --only-llama8b --compile both --out-dir /tmp/speedrun
+    cp /tmp/speedrun/speed*.json "$OUT"/ ;;
   validate)  # ~7 decodes per C (traces, plain, 2 drafters x 2 policies)
     python3 -m experiments simulator_validation --host "${HOST:-smollm2}" "${compile[@]}" --drafters ngram dspark \
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-length 7 \
@@ -50,5 +56,5 @@ case "$PHASE" in
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
   *)
-    echo "unknown PHASE=$PHASE (tests, speed, validate, concurrency)" >&2; exit 2 ;;
+    echo "unknown PHASE=$PHASE (tests, speed, llama8b, validate, concurrency)" >&2; exit 2 ;;
 esac
