@@ -129,6 +129,20 @@ def trained_length(drafter) -> int | None:
     return None
 
 
+POLICIES = ("full", "threshold", "scheduler", "lagged")
+
+
+def check_settings(policies: list[str], **values: list[int]) -> None:
+    """Refuse unknown policy names and empty or non-positive lists (concurrency, draft lengths) before any decoding,
+    naming the option as the CLI spells it."""
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {list(POLICIES)}")
+    for name, vals in values.items():
+        if not vals or min(vals) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} needs values >= 1, got {vals}")
+
+
 def build_policy(host, policy: str, *, draft_length: int, path: str | None, threshold: float | None = None,
                  cost=None):
     """The verifier for a policy name (full, threshold, scheduler, lagged) at this gamma, with the drafter

@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, cost_table, drafter_path,
-                                envelope, figure, load_prompts, plot_log_x, result_row, sampling_config, setting_key,
-                                trained_length, write_result)
-
-POLICIES = ("full", "threshold", "scheduler", "lagged")
+from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, check_settings, cost_table,
+                                drafter_path, envelope, figure, load_prompts, plot_log_x, result_row, sampling_config,
+                                setting_key, trained_length, write_result)
 
 
 @dataclass
@@ -51,12 +49,7 @@ class ConcurrencyOptions:
 
 
 def check(opts: ConcurrencyOptions) -> None:
-    bad = [p for p in opts.policies if p not in POLICIES]
-    if bad:
-        raise ValueError(f"unknown policies {bad}; choose from {list(POLICIES)}")
-    for name, values in (("--concurrency", opts.concurrency), ("--draft-lengths", opts.draft_lengths)):
-        if not values or min(values) < 1:
-            raise ValueError(f"{name} needs values >= 1, got {values}")
+    check_settings(opts.policies, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths)
     backend(opts.engine)
 
 

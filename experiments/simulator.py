@@ -31,11 +31,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from dspark.engine.protocol import Proposal
+from dspark.engine.round import width_bucket
 from experiments.common import Section, write_result
 
 FORMAT = "dspark.trace"
@@ -77,13 +78,11 @@ class _Live:
     tokens: int = 0
 
 
-def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draft_ms: float = 0.0,
-             draft_seconds=None, observe_seconds=None, step_overhead_ms: float = 0.0, admission_ms: float = 0.0,
-             pricing: str = "ragged") -> dict:
-    """Replay `requests` requests (trace entries in turn) with C = concurrency in flight; policy is a Verifier or
-    None for plain decoding (ell = 0, no drafting). Returns the row metrics of one setting.
+@dataclass(frozen=True)
+class Pricing:
+    """What a replayed step costs besides the verify forward's 1 / SPS(B).
 
-    pricing "ragged": a step verifies B = Σ (1 + ell) tokens over the live requests and drafts `draft_ms`; "slots":
+    mode "ragged": a step verifies B = Σ (1 + ell) tokens over the live requests and drafts `draft_ms`; "slots":
     as the slot engine runs it, every one of the C slots (live or idle) carries the anchor and the bucketed longest
     ell (dspark.engine.round.width_bucket), B = C (L + 1), and the draft step covers C rows (`draft_seconds(C)`,
     e.g. a cost table's profiled draft entry, else `draft_ms`), and a request's first new token comes from its
@@ -91,12 +90,41 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too).
     `step_overhead_ms` is added to every step (the engine's acceptance and CPU bookkeeping) and `admission_ms` to
     every step that admits requests (one prefill per group of arrivals)."""
-    from dspark.engine.round import width_bucket
+
+    mode: str = "ragged"
+    draft_ms: float = 0.0
+    draft_seconds: Optional[Callable[[int], float]] = None
+    observe_seconds: Optional[Callable[[int], float]] = None
+    step_overhead_ms: float = 0.0
+    admission_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ragged", "slots"):
+            raise ValueError(f"pricing mode must be ragged or slots, got {self.mode!r}")
+
+    @property
+    def slots(self) -> bool:
+        return self.mode == "slots"
+
+    def verify_tokens(self, ell: torch.Tensor, concurrency: int, K: int) -> int:
+        """B of one step's verify forward."""
+        return concurrency * (width_bucket(int(ell.max()), K) + 1) if self.slots else int((ell + 1).sum())
+
+    def draft(self, rows: int) -> float:
+        """Seconds of one draft step over `rows` rows."""
+        return self.draft_seconds(rows) if self.draft_seconds is not None else self.draft_ms / 1000.0
+
+    def observe(self, rows: int) -> float:
+        return self.observe_seconds(rows) if self.observe_seconds is not None else 0.0
+
+
+def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pricing: Pricing = Pricing()) -> dict:
+    """Replay `requests` requests (trace entries in turn) with C = concurrency in flight; policy is a Verifier or
+    None for plain decoding (ell = 0, no drafting); `pricing` says what a step costs besides its verify forward.
+    Returns the row metrics of one setting."""
 
     if concurrency < 1 or requests < 1:
         raise ValueError(f"need concurrency >= 1 and requests >= 1, got {concurrency} and {requests}")
-    if pricing not in ("ragged", "slots"):
-        raise ValueError(f"pricing must be ragged or slots, got {pricing!r}")
     K = trace["draft_length"] if policy is not None else 0
     pool = trace["requests"]
     waiting = [pool[i % len(pool)] for i in range(requests)]
@@ -106,18 +134,17 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
     verified_sum = accepted_sum = request_rounds = 0
     speeds: list[float] = []
     members: tuple = ()
-    rows_drafted = concurrency if pricing == "slots" else None  # None: the live requests
     gate = getattr(policy, "gate", None)  # the schedulers' draft gate, priced with this replay's draft cost
     if gate is not None:
         gate.begin()
-        gate.fixed_draft_s = (draft_seconds(concurrency) if draft_seconds is not None else draft_ms / 1000.0)
+        gate.fixed_draft_s = pricing.draft(concurrency)
     while waiting or live:
         if waiting and len(live) < concurrency:
-            now += admission_ms / 1000.0  # one prefill for the arrivals of this moment
+            now += pricing.admission_ms / 1000.0  # one prefill for the arrivals of this moment
         while waiting and len(live) < concurrency:
             live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
             admitted += 1
-            if pricing == "slots":  # the admission's prefill draws the first new token, as the engine's does
+            if pricing.slots:  # the admission's prefill draws the first new token, as the engine's does
                 live[-1].tokens = 1
                 total_tokens += 1
                 if live[-1].trace["new_tokens"] <= 1:  # done at admission: no round of its own
@@ -141,16 +168,10 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, draf
             proposal = Proposal(tokens=torch.zeros(R, K, dtype=torch.long), confidence=conf, lengths=proposed)
             ell = torch.minimum(policy.lengths(proposal, K).clamp(0, K), proposed)  # (R,)
         accepted = torch.minimum(ell, logged_acc)  # (R,)
-        if pricing == "slots":
-            B = concurrency * (width_bucket(int(ell.max()), K) + 1)
-        else:
-            B = int((ell + 1).sum())
-        draft_s = 0.0
-        if drafting:
-            draft_s = (draft_seconds(rows_drafted or R) if draft_seconds is not None else draft_ms / 1000.0)
-        if policy is not None and observe_seconds is not None:
-            draft_s += observe_seconds(rows_drafted or R)
-        now += 1.0 / float(cost(B)) + draft_s + step_overhead_ms / 1000.0
+        B = pricing.verify_tokens(ell, concurrency, K)
+        rows = concurrency if pricing.slots else R  # the rows a draft step covers
+        draft_s = (pricing.draft(rows) if drafting else 0.0) + (pricing.observe(rows) if policy is not None else 0.0)
+        now += 1.0 / float(cost(B)) + draft_s + pricing.step_overhead_ms / 1000.0
         steps += 1
         if policy is not None:
             policy.after_round(slots=R, rows=R, width=int(ell.max()), drafted=drafting,
@@ -212,7 +233,7 @@ def run(opts: SimulateOptions, cost) -> list[dict]:
                 rows.append({"method": trace.get("method", "?"), "policy": name,
                              "draft_length": trace["draft_length"], "concurrency": C, "engine": "replay",
                              "trace": path, **simulate(trace, policy=policy, concurrency=C, cost=cost, requests=n,
-                                                       draft_ms=opts.draft_ms)})
+                                                       pricing=Pricing(draft_ms=opts.draft_ms))})
     return rows
 
 

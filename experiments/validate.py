@@ -32,8 +32,8 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from experiments.common import (RunOptions, Section, build_drafters, build_policy, cost_table, drafter_path,
-                                envelope, figure, load_prompts, sampling_config, write_result)
+from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings, cost_table,
+                                drafter_path, envelope, figure, load_prompts, sampling_config, write_result)
 
 NAME = "simulator_validation"
 
@@ -53,19 +53,12 @@ class ValidateOptions:
 
 
 def _check(opts: ValidateOptions) -> None:
-    from experiments.concurrency import POLICIES
-
-    bad = [p for p in opts.policies if p not in POLICIES]
-    if bad:
-        raise ValueError(f"unknown policies {bad}; choose from {list(POLICIES)}")
-    if not opts.concurrency or min(opts.concurrency) < 1 or opts.draft_length < 1:
-        raise ValueError(f"need --concurrency values >= 1 and --draft-length >= 1, got {opts.concurrency} and "
-                         f"{opts.draft_length}")
+    check_settings(opts.policies, concurrency=opts.concurrency, draft_length=[opts.draft_length])
 
 
 def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[int]], out_dir: Path) -> dict:
     from dspark.engine.decode import generate
-    from experiments.simulator import simulate, trace_from_result
+    from experiments.simulator import Pricing, simulate, trace_from_result
     from verifiers import build_verifier
     from verifiers.cost_model import draft_key
 
@@ -95,10 +88,11 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
         raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds / float(cost(C))) / max(1, plain.rounds)
         # negative when the table prices a step above what the engine took (the constant then corrects the table)
         constants[C] = {"admission_ms": admission_ms, "step_overhead_ms": raw, "verify_ms_table": 1000 / float(cost(C))}
-        shared = dict(concurrency=C, cost=cost, requests=len(batch), pricing="slots", admission_ms=admission_ms,
-                      step_overhead_ms=raw)
+        machine = dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw)
+        shared = dict(concurrency=C, cost=cost, requests=len(batch))
         any_trace = next(iter(traces.values()), None) or trace_from_result(plain, draft_length=0, method="plain")
-        rows.append(_row("plain", "none", C, plain, simulate(any_trace, policy=None, **shared), fitted=True, K=0))
+        predicted = simulate(any_trace, policy=None, pricing=Pricing(**machine), **shared)
+        rows.append(_row("plain", "none", C, plain, predicted, fitted=True, K=0))
         for name, drafter in drafters.items():
             key = draft_key(drafter, K)
             profiled = key in cost.draft
@@ -108,8 +102,9 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
 
             for p in opts.policies:
                 measured = decode(batch, drafter, policy(p, name), C)
-                predicted = simulate(traces[name], policy=policy(p, name), draft_seconds=draft_seconds,
-                                     observe_seconds=partial(draft_seconds, step="observe"), **shared)
+                pricing = Pricing(draft_seconds=draft_seconds, observe_seconds=partial(draft_seconds, step="observe"),
+                                  **machine)
+                predicted = simulate(traces[name], policy=policy(p, name), pricing=pricing, **shared)
                 rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K))
                 print(f"C={C:4d} {name}/{p}: measured {rows[-1]['measured_tokens_per_s']:.1f} tok/s, predicted "
                       f"{rows[-1]['predicted_tokens_per_s']:.1f} ({100 * rows[-1]['relative_error']:+.1f} %)",

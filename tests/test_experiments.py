@@ -12,7 +12,7 @@ import torch
 from dspark.cli import main as cli
 from experiments.concurrency import add_speedup, break_even
 from experiments.savings import savings
-from experiments.simulator import simulate
+from experiments.simulator import Pricing, simulate
 from verifiers import build_verifier
 from verifiers.cost_model import CostModel
 
@@ -105,6 +105,12 @@ def test_bad_policy_and_unknown_experiment_are_clear_errors(tmp_path, capsys):
     assert cli(["experiment", "concurrency", "--host", HOST, "--policies", "fastest", "--out-dir",
                 str(tmp_path)]) == 1
     assert "unknown policies ['fastest']" in capsys.readouterr().err
+    assert cli(["experiment", "simulator_validation", "--host", HOST, "--draft-length", "0", "--out-dir",
+                str(tmp_path)]) == 1
+    assert "--draft-length needs values >= 1, got [0]" in capsys.readouterr().err
+    assert cli(["experiment", "concurrency", "--host", HOST, "--concurrency", "0", "4", "--out-dir",
+                str(tmp_path)]) == 1
+    assert "--concurrency needs values >= 1, got [0, 4]" in capsys.readouterr().err
     assert cli(["experiment", "nope"]) == 1
     assert "unknown experiment 'nope'" in capsys.readouterr().err
 
@@ -300,9 +306,9 @@ def test_simulator_replays_the_draft_gate():
     trace = _trace([0] * 8, [[0.99, 0.99, 0.99]] * 8, new_tokens=64, n=2)
     plain = simulate(trace, policy=None, concurrency=2, cost=flat, requests=2)
     gated = simulate(trace, policy=build_verifier("scheduler", cost_table=flat), concurrency=2, cost=flat,
-                     requests=2, draft_ms=10.0)
+                     requests=2, pricing=Pricing(draft_ms=10.0))
     always = simulate(trace, policy=build_verifier("scheduler", cost_table=flat, draft_gate=False), concurrency=2,
-                      cost=flat, requests=2, draft_ms=10.0)
+                      cost=flat, requests=2, pricing=Pricing(draft_ms=10.0))
     assert always["tokens_per_s"] == pytest.approx(plain["tokens_per_s"] * 20 / 30)
     assert gated["tokens_per_s"] > 0.95 * plain["tokens_per_s"]
 
@@ -312,16 +318,17 @@ def test_simulator_slot_pricing_and_machine_constants():
     adds to every step and the admission time to every step that admits."""
     flat = CostModel.from_points({1: 100.0, 8: 50.0, 16: 25.0})
     trace = _trace([3, 3], None, new_tokens=8, n=2)  # 4 tokens a round, 2 rounds
-    full = simulate(trace, policy=build_verifier("full"), concurrency=2, cost=flat, requests=2, pricing="slots")
+    full = simulate(trace, policy=build_verifier("full"), concurrency=2, cost=flat, requests=2,
+                    pricing=Pricing("slots"))
     assert full["seconds"] == pytest.approx(2 / 50.0)  # B = 2 slots x (3 + 1) = 8 tokens a step
-    timed = simulate(trace, policy=build_verifier("full"), concurrency=2, cost=flat, requests=2, pricing="slots",
-                     step_overhead_ms=1.0, admission_ms=5.0, draft_seconds=lambda R: 0.002 * R)
+    timed = simulate(trace, policy=build_verifier("full"), concurrency=2, cost=flat, requests=2, pricing=Pricing(
+                     "slots", step_overhead_ms=1.0, admission_ms=5.0, draft_seconds=lambda R: 0.002 * R))
     assert timed["seconds"] == pytest.approx(2 / 50.0 + 2 * 0.001 + 0.005 + 2 * 0.004)  # one admission of both
     one_slot_idle = simulate(_trace([3], None, new_tokens=4, n=1), policy=build_verifier("full"), concurrency=4,
-                             cost=flat, requests=1, pricing="slots")
+                             cost=flat, requests=1, pricing=Pricing("slots"))
     assert one_slot_idle["seconds"] == pytest.approx(1 / 25.0)  # C = 4: the idle slots pay too (B = 16)
-    with pytest.raises(ValueError, match="pricing"):
-        simulate(trace, policy=None, concurrency=1, cost=flat, requests=1, pricing="exact")
+    with pytest.raises(ValueError, match="pricing mode"):
+        Pricing("exact")
 
 
 def test_simulator_validation_writes_measured_and_predicted(tmp_path):
