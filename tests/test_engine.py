@@ -281,3 +281,41 @@ def test_api_generate_takes_a_concurrency(tiny_host):
     static = dspark.generate(tiny_host, "ngram", prompts, max_new_tokens=6)
     continuous = dspark.generate(tiny_host, "ngram", prompts, max_new_tokens=6, concurrency=2)
     assert continuous.texts == static.texts and continuous.result.batches > 1
+
+
+def test_a_round_output_overwritten_before_it_is_read_is_an_error(tiny_host, monkeypatch):
+    """The CPU checks each live slot's committed length against the device's (SEQ_LEN): a packed output that
+    something overwrote between accept and the copy (as a graph replayed in between could) fails loudly instead of
+    committing other tokens than the device did and running a slot past its end."""
+    from dspark.engine.round import N_ACCEPTED
+
+    inner = graphs.GraphRound.__call__
+
+    def overwritten(self, *args, **kwargs):
+        out, draft, L = inner(self, *args, **kwargs)
+        out[:, self.K + 1 + N_ACCEPTED] = out[:, self.K + 1 + N_ACCEPTED] + 1
+        return out, draft, L
+
+    monkeypatch.setattr(graphs.GraphRound, "__call__", overwritten)
+    with pytest.raises(RuntimeError, match="overwritten before it was read"):
+        generate(tiny_host, prompts_of(tiny_host), drafter=drafter_of("ngram", tiny_host), draft_length=K,
+                 max_new_tokens=8, concurrency=2, graphs="static")
+
+
+def test_a_slot_with_its_budget_spent_commits_nothing_on_the_device(tiny_host):
+    """Before the CPU retires it, a slot whose device budget is spent commits no token (no run past its rows)."""
+    from dspark.engine.graphs import EagerRound
+    from dspark.engine.slots import Request, Slots
+    from verifiers import build_verifier
+
+    drafter, verifier = drafter_of("ngram", tiny_host), build_verifier("full")
+    verifier.bind(drafter=drafter, K=K)
+    slots = Slots(tiny_host, drafter, verifier, capacity=2, max_len=40, sampling=GREEDY)
+    prompts = prompts_of(tiny_host)
+    slots.admit([0, 1], [Request(index=i, prompt=prompts[i], limit=10, seed=i) for i in (0, 1)])
+    slots.remaining[0] = 0
+    before = slots.state.seq_len.clone()
+    out, _, _ = EagerRound(slots, tiny_host, drafter, verifier, K)()
+    grew = slots.state.seq_len - before
+    assert grew[0] == 0 and grew[1] >= 1
+    assert out[0, K + 1] == 0 and out[1, K + 1] == grew[1] - 1  # N_ACCEPTED

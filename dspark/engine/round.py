@@ -28,9 +28,10 @@ from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample
 from dspark.engine.protocol import Proposal
 
 # columns of the packed round output after the K + 1 new tokens; AHEAD: the longest length of the next round's
-# draft when it was proposed at the end of this round (graphs.py, lookahead), -1 = not proposed yet
-N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH, AHEAD = range(6)
-COLUMNS = 6
+# draft when it was proposed at the end of this round (graphs.py, lookahead), -1 = not proposed yet; SEQ_LEN: each
+# slot's committed length after the round, which the CPU checks against its own count (serve._commit_round)
+N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH, AHEAD, SEQ_LEN = range(7)
+COLUMNS = 7
 
 
 @dataclass
@@ -156,17 +157,21 @@ def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
         u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (C, L)
         acc = rejection_sample(p, q, tokens, ell, u)
         nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
-    n_acc = acc.n_accepted * active
+    # why `remaining > 0` too: a slot whose budget is spent commits nothing even before the CPU retires it, so no
+    # disagreement between the CPU and the device can run a slot past the end of its rows (an index error on CUDA)
+    live = active & (slots.remaining > 0)
+    n_acc = acc.n_accepted * live
     new = torch.cat([tokens, tokens.new_zeros(C, K + 1 - L)], dim=1).scatter_(1, n_acc.unsqueeze(1),
                                                                                nxt.unsqueeze(1))  # (C, K+1)
     state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
-    step = (n_acc + 1) * active  # (C,) tokens committed: the accepted drafts and the next token
+    step = (n_acc + 1) * live  # (C,) tokens committed: the accepted drafts and the next token
     slots.cache.advance(step)
     drafter.observe(features=verified.features, start=anchor_pos, n_valid=step, state=state)
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
-    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C), torch.full_like(n_acc, -1)]
+    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C), torch.full_like(n_acc, -1),
+               state.seq_len]
     return torch.cat([new, torch.stack(columns, dim=1)], dim=1)
 
 

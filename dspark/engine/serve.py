@@ -18,7 +18,7 @@ import torch
 
 from dspark.engine.graphs import round_runner
 from dspark.engine.results import RoundLog
-from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, VERIFIED
+from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, SEQ_LEN, VERIFIED
 from dspark.engine.slots import Request, Slots
 
 
@@ -191,6 +191,11 @@ def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_i
         before = slots.remaining_cpu[s]
         _, live, slots.remaining_cpu[s] = sink.take(request, row[: accepted + 1], before)
         slots.cache_len[s] += accepted + 1
+        if row[K + 1 + SEQ_LEN] != slots.cache_len[s] + 1:  # the anchor is committed but not yet in the cache
+            raise RuntimeError(
+                f"round {round_index}: slot {s} (request {request.index}) holds {row[K + 1 + SEQ_LEN]} tokens on "
+                f"the device but {slots.cache_len[s] + 1} by the round's output: the output was overwritten before "
+                f"it was read (a graph replayed in between?) or a stage committed other counts than it reported")
         rows.append((request.index, slots.rounds_cpu[s], row[K + 1 + PROPOSED], row[K + 1 + VERIFIED], accepted,
                      before - slots.remaining_cpu[s]))
         slots.rounds_cpu[s] += 1
