@@ -7,6 +7,9 @@ speculative, stages, graphs, in_flight, divergence, llama8b_step_ms, llama8b_flo
 markdown table. Every run uses the same prompts (six MT-Bench first turns, repeated to fill the larger runs),
 128 new tokens, greedy; a run at concurrency C keeps C requests in flight (closed loop, dspark.engine).
 
+--overlap on|off|both: rounds launched before the last one is committed (dspark.engine.serve.overlap_allowed: plain
+decoding and verify-all of a known width); `both` (the default) also runs plain decoding in order (plain_in_order).
+
 --compile on|off|both: the host's decode steps through torch.compile'd layers (dspark.engine.compiled) or its eager
 layers; `both` (the default) runs plain decoding and the llama-8b step both ways in this run (keys with the suffix
 `_eager_layers` hold the eager-layer numbers) and everything else compiled. Compilation is part of each run's
@@ -33,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
+from dspark.engine import serve  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
@@ -83,7 +87,7 @@ def engine_run(host, ids, C: int, drafter=None, K: int = 7) -> dict:
             "requests": len(ids), "graphs": e["graphs"], "warmup_s": e["warmup_s"],
             "stage_ms_per_round": {k: 1000 * v / max(1, out.rounds) for k, v in e["stage_s"].items()},
             "in_flight_fraction_until_dry": (sum(flight[:full]) / (C * full)) if full else float("nan"),
-            "ttft_s_mean": sum(out.ttft) / len(out.ttft), "latency_s_mean": sum(out.latency) / len(out.latency),
+            "overlapped": e["overlapped"], "ttft_s_mean": sum(out.ttft) / len(out.ttft), "latency_s_mean": sum(out.latency) / len(out.latency),
             "tokens": out.token_ids}
 
 
@@ -172,6 +176,9 @@ def main(argv=None) -> int:
                     help="run only the llama-8b step and add its keys to OUT/speed.json (a second device call)")
     ap.add_argument("--compile", choices=["on", "off", "both"], default="both",
                     help="decode steps through torch.compile'd host layers; both: plain and llama-8b both ways")
+    ap.add_argument("--overlap", choices=["on", "off", "both"], default="both",
+                    help="rounds launched before the last one is committed (dspark.engine.serve.overlap_allowed); "
+                         "both: plain decoding also in order (runs key plain_in_order)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
     args = ap.parse_args(argv)
     K = args.draft_length
@@ -201,6 +208,8 @@ def main(argv=None) -> int:
     result["hf_prompt_lookup_tok_s"] = hf_tok_s(host, ids, prompt_lookup_num_tokens=K)
     print(f"hf done in {time.perf_counter() - t:.0f}s", flush=True)
     runs: dict = {"plain": {}}
+    if args.overlap == "off":
+        serve.OVERLAP_DEVICES = ()
     compiled = args.compile != "off"
     if args.compile == "both":  # the eager layers first, then the compiled ones on the same host object
         host.compile = False
@@ -209,11 +218,19 @@ def main(argv=None) -> int:
             runs["plain_eager_layers"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
             print("plain (eager layers)", C, round(runs["plain_eager_layers"][C]["tok_s"], 1), flush=True)
     host.compile = compiled
-    env["compile"] = args.compile
+    env["compile"], env["overlap"] = args.compile, args.overlap
     for C in args.concurrency:
         runs["plain"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
         print("plain", C, round(runs["plain"][C]["tok_s"], 1), flush=True)
         save_partial(args.out_dir, result, runs)
+    if args.overlap == "both":  # the in-order loop too: each round's copy read before the next round is launched
+        devices, serve.OVERLAP_DEVICES = serve.OVERLAP_DEVICES, ()
+        runs["plain_in_order"] = {}
+        for C in args.concurrency:
+            runs["plain_in_order"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
+            print("plain (in order)", C, round(runs["plain_in_order"][C]["tok_s"], 1), flush=True)
+            save_partial(args.out_dir, result, runs)
+        serve.OVERLAP_DEVICES = devices
     for name, (drafter, how) in drafters_for(host, args.drafters, args.checkpoints, K).items():
         runs[name] = {}
         for C in args.spec_concurrency:
@@ -232,7 +249,7 @@ def main(argv=None) -> int:
         result["hf_custom_generate_error"] = f"{type(error).__name__}: {error}"
         print("custom_generate failed:", result["hf_custom_generate_error"], flush=True)
     result["plain_tok_s"] = {C: r["tok_s"] for C, r in runs["plain"].items()}
-    plains = ("plain", "plain_eager_layers")
+    plains = ("plain", "plain_eager_layers", "plain_in_order")
     if "plain_eager_layers" in runs:
         result["plain_tok_s_eager_layers"] = {C: r["tok_s"] for C, r in runs["plain_eager_layers"].items()}
     result["speculative"] = {name: {"tok_s": {C: r["tok_s"] for C, r in rs.items()},

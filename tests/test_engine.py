@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import dspark.engine.graphs as graphs
+import dspark.engine.serve as serve
 from drafters import DRAFTERS
 from dspark.engine.decode import generate
 from dspark.engine.round import COLUMNS, width_bucket
@@ -37,6 +38,15 @@ GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 def lookahead_on_the_cpu(monkeypatch):
     """The runners propose each next draft at the end of a round on CUDA only; these tests run that path here."""
     monkeypatch.setattr(graphs, "LOOKAHEAD_DEVICES", ("cuda", "cpu"))
+
+
+@pytest.fixture(params=["in-order", "overlapped"])
+def overlap(request, monkeypatch):
+    """The serve loop launches each round before committing the last one on CUDA only (serve.overlap_allowed);
+    "overlapped" runs that order here (where it applies: plain decoding and verify-all of a known width)."""
+    if request.param == "overlapped":
+        monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu"))
+    return request.param == "overlapped"
 LENGTHS = [5, 1, 12, 7, 3, 9]
 LIMITS = [10, 4, 14, 6, 12, 3]  # different budgets: slots free at different rounds
 SEEDS = [500 + 7 * i for i in range(len(LENGTHS))]
@@ -99,10 +109,12 @@ RUNNERS = pytest.mark.parametrize("graphs", [None, "static"], ids=["eager-rounds
 
 @RUNNERS
 @pytest.mark.parametrize("drafter_name", ["none", "dspark-trained"] + sorted(set(DRAFTERS) - {"dspark"}))
-def test_every_drafter_equals_solo_eager(tiny_host, drafter_name, graphs):
+def test_every_drafter_equals_solo_eager(tiny_host, drafter_name, graphs, overlap):
     for sampling in (GREEDY, T1):
         for concurrency, order in ((2, lambda x: x), (3, lambda x: x[::-1])):
-            check_against_solo(tiny_host, drafter_name, "full", sampling, concurrency, order, graphs)
+            got = check_against_solo(tiny_host, drafter_name, "full", sampling, concurrency, order, graphs)
+            # the overlapped order applies wherever the CPU knows the draft's width: all but the n-gram lookups
+            assert got.engine["overlapped"] == (overlap and drafter_name != "ngram")
 
 
 @RUNNERS
@@ -146,7 +158,8 @@ def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
     ("dspark-trained", "lagged", lambda rounds: 2),
 ], ids=["full-K", "full-mtp", "full-ngram", "threshold", "lagged"])
 @RUNNERS
-def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of, graphs):
+def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of, graphs,
+                                        overlap):
     copies = []
     real = torch.Tensor.cpu
 
@@ -159,6 +172,9 @@ def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, v
     kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=8, graphs=graphs)
     generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)  # warm lazy inits
     monkeypatch.setattr(torch.Tensor, "cpu", counting)
+    round_copy = serve.HostCopy.__init__  # the round's copy (a non-blocking copy_ on CUDA, not .cpu())
+    monkeypatch.setattr(serve.HostCopy, "__init__", lambda self, packed: (copies.append(tuple(packed.shape)),
+                                                                           round_copy(self, packed))[1])
     out = generate(tiny_host, prompts[:3], verifier=verifier_of(verifier_name), **kwargs)
     monkeypatch.undo()
     round_copies = [c for c in copies if c == (3, K + 1 + COLUMNS)]
@@ -319,3 +335,34 @@ def test_a_slot_with_its_budget_spent_commits_nothing_on_the_device(tiny_host):
     grew = slots.state.seq_len - before
     assert grew[0] == 0 and grew[1] >= 1
     assert out[0, K + 1] == 0 and out[1, K + 1] == grew[1] - 1  # N_ACCEPTED
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "dspark-trained"])
+def test_overlapped_rounds_stop_and_refill_slots_as_the_in_order_loop(tiny_host, monkeypatch, drafter_name):
+    """Launching each round before the last one is committed: requests that stop on a stop token or by a callback
+    (one round late for the device: that round's rows are nobody's) and the requests admitted into their slots get
+    the in-order loop's tokens and finish reasons, and the run did overlap."""
+    drafter = None if drafter_name == "none" else drafter_of(drafter_name, tiny_host)
+    prompts = prompts_of(tiny_host)
+    kwargs = dict(drafter=drafter, draft_length=K, max_new_tokens=LIMITS, seeds=SEEDS, concurrency=2)
+    free = generate(tiny_host, prompts, stop_token_ids=[], **kwargs)
+    stop = max(set(sum(free.token_ids, [])), key=lambda t: sum(ids.count(t) for ids in free.token_ids))
+
+    def run(overlapped: bool):
+        if overlapped:
+            monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu"))
+        seen = {}
+
+        def callback(i, ids):  # request 3 stops by callback after its fourth token
+            seen[i] = seen.get(i, 0) + len(ids)
+            return i == 3 and seen[i] >= 4
+
+        out = generate(tiny_host, prompts, stop_token_ids=[stop], on_tokens=callback, **kwargs)
+        monkeypatch.undo()
+        return out
+
+    in_order, overlapped = run(False), run(True)
+    assert overlapped.engine["overlapped"] and not in_order.engine["overlapped"]
+    assert overlapped.token_ids == in_order.token_ids and overlapped.finish_reasons == in_order.finish_reasons
+    assert "stop" in in_order.finish_reasons and "length" in in_order.finish_reasons
+    assert overlapped.batches > 2  # slots were refilled

@@ -56,6 +56,12 @@ class EagerRound:
         self.timer = StageTimer(timing and host.device.type == "cuda")
         self.lookahead = lookahead_allowed(verifier) and host.device.type in LOOKAHEAD_DEVICES
         self.ahead: Draft | None = None  # the next round's draft, proposed at the end of the last round
+        self.slack = 0  # positions the caches may hold beyond the CPU's lengths (serve.overlap_allowed: K + 1)
+
+    def known_width(self) -> int | None:
+        """The drafter's longest proposal as the CPU knows it without a device read (Draft.width), None = only the
+        device knows; from a propose on the idle slots (which commits nothing, as GraphRound's warm-ups)."""
+        return propose(self.slots, self.drafter, self.verifier, self.K).width
 
     def __call__(self, drafting: bool = True, ahead: int | None = None) -> tuple[torch.Tensor, Draft, int]:
         """One round: (packed output, draft, L the drafts per row of its verify forward); drafting False is a plain
@@ -70,7 +76,7 @@ class EagerRound:
             draft = propose(self.slots, self.drafter, self.verifier, self.K)
             L = drafts_to_verify(self.slots, self.verifier, draft, self.K)
         self.timer.mark()
-        attend = max(self.slots.cache_len) + L + 1
+        attend = max(self.slots.cache_len) + L + 1 + self.slack
         verified = verify(self.slots, self.host, draft, L, self.drafter.feature_layers, attend)
         self.timer.mark()
         out = accept(self.slots, self.drafter, draft, verified)
@@ -116,6 +122,11 @@ class GraphRound:
         self.graphs = 1 if self.whole else 0
         self.warmup_s = time.perf_counter() - start
         self.lookahead = lookahead_allowed(verifier)
+
+    def known_width(self) -> int | None:
+        """As EagerRound.known_width: the width of the draft proposed at capture (a capturable drafter's is the
+        same every round; another's, from its propose before the first round)."""
+        return self.captured_width
 
     def _record(self, fn, pool=None):
         """(replay, outputs): fn captured as a CUDA graph in `pool` (default: the verify and accept pool), or

@@ -7,6 +7,10 @@ of each live slot's new tokens (stops, budgets, streaming callbacks, the round l
 that stopped, and admission of queued requests into the freed slots, each with its own prefill (batched with the
 other arrivals of that moment; replayed as a CUDA graph where the rounds are, dspark.engine.prefill). Static-batch
 decoding is the case where every request is admitted at once (C = the number of requests).
+
+Overlap (`overlap_allowed`, CUDA): where launching a round needs nothing from the last one's copy (plain decoding,
+verify-all of a drafter whose width the CPU knows), round r + 1 is launched before round r is committed, so the
+device runs it while the CPU commits, retires and admits; the copy is then non-blocking, into pinned memory.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.graphs import round_runner
+from dspark.engine.protocol import Verifier
 from dspark.engine.results import RoundLog
 from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, SEQ_LEN, VERIFIED
 from dspark.engine.slots import Request, Slots
@@ -90,6 +95,60 @@ class EngineStats:
     drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
     prefill_graphs: int = 0  # of `graphs`, the prefill shapes captured (dspark.engine.prefill)
     admit_s: float = 0.0  # wall seconds admitting (prefills, first tokens, the drafter's admission), capture excluded
+    overlapped: bool = False  # rounds launched before the last one was committed (overlap_allowed)
+
+
+#: devices where the loop launches each round before committing the last one on the CPU (`overlap_allowed`)
+OVERLAP_DEVICES = ("cuda",)
+
+
+def overlap_allowed(runner, verifier, K: int) -> bool:
+    """Whether round r + 1 may be launched before round r is committed on the CPU, so that the device runs it while
+    the CPU commits, retires and admits (no round waits on the CPU's bookkeeping). Only where launching a round
+    needs nothing from the last one's copy: plain decoding, or verify-all of a drafter whose width the CPU knows
+    (the verify width is then bounded by the CPU's budgets, which lag one round but only from above), with a
+    verifier that keeps no per-round state (the base draft_next, after_round and next_width).
+
+    Lossless like the plain order: the device is where tokens are decided, and it never reads the CPU's view; a
+    request that stopped in round r (a stop token, a callback) runs one more round on the device whose row nobody
+    commits (`Launched.requests`), and one whose budget ran out commits nothing more (round.accept). Its cost:
+    a freed slot is refilled one round later. On the CPU, where a device read costs nothing, it only costs that."""
+    if runner.host.device.type not in OVERLAP_DEVICES:
+        return False
+    stateless = all(getattr(type(verifier), m) is getattr(Verifier, m) for m in ("draft_next", "after_round",
+                                                                                  "next_width"))
+    return stateless and (K == 0 or (verifier.static_length and runner.known_width() is not None))
+
+
+@dataclass
+class Launched:
+    """A round launched on the device, as the CPU commits it."""
+
+    copy: HostCopy  # its packed output on its way to the CPU
+    confidence: torch.Tensor | None  # (C, K) its draft's confidences (a device copy), None = none or a plain round
+    L: int  # drafts per row of its verify forward
+    drafting: bool
+    requests: list  # slots.request when it was launched: each slot's row of this round belongs to that request
+
+
+class HostCopy:
+    """A round's packed output copied to the CPU: into pinned memory without blocking on CUDA (read by `wait`),
+    cloned on the CPU (a static runner's output buffer is rewritten by the next round)."""
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.event = None
+        if packed.device.type == "cuda":
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed.clone()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 def prefill_mode(graphs: bool | str) -> str:
@@ -109,26 +168,41 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
     stats = EngineStats()
     queue = deque(requests)
+    overlap = stats.overlapped = overlap_allowed(runner, verifier, K)  # while every slot is idle
     _fill(slots, queue, sink, stats)
     busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
     ahead = -1  # the longest length of the draft the last round proposed for this one (graphs.lookahead_allowed)
-    while slots.in_flight():
+    if overlap:
+        runner.slack = K + 1  # EagerRound's attention window: the CPU's cache lengths lag one round behind
+    pending: Launched | None = None  # a round on the device that the CPU has not committed yet (overlap)
+    while slots.in_flight() or pending is not None:
         start = time.perf_counter()
-        drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
-        packed, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
-        packed = packed.cpu()  # the round's device-to-host copy (the only one but in a round after an admission)
-        ahead = int(packed[0, K + 1 + AHEAD])
-        stats.in_flight.append(slots.in_flight())
-        stats.widths.append(L + 1)
-        stats.drafted += drafting
-        slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
-        live = slots.in_flight()
-        done, committed = _commit_round(slots, packed, draft, sink, stats.rounds, K, drafting)
-        verifier.after_round(slots=slots.capacity, rows=live, width=L, drafted=drafting, committed=committed)
-        _finish(slots, done, sink)
-        if _fill(slots, queue, sink, stats):
-            ahead = -1  # the arrivals have no draft yet: the next round proposes afresh
-        stats.rounds += 1
+        launched = None
+        if slots.in_flight():
+            drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
+            packed, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
+            # the round's device-to-host copy (the only one but in a round after an admission), and its confidences
+            # for the log, taken before the next round's propose rewrites the draft buffers
+            confidence = draft.confidence.float().clone() if drafting and draft.confidence is not None else None
+            launched = Launched(HostCopy(packed), confidence, L, drafting, list(slots.request))
+        if not overlap:  # commit the round just launched
+            pending, launched = launched, None
+        if pending is not None:
+            packed = pending.copy.wait()
+            if not overlap:
+                ahead = int(packed[0, K + 1 + AHEAD])
+            slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
+            done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
+            stats.in_flight.append(live)
+            stats.widths.append(pending.L + 1)
+            stats.drafted += pending.drafting
+            verifier.after_round(slots=slots.capacity, rows=live, width=pending.L, drafted=pending.drafting,
+                                 committed=committed)
+            _finish(slots, done, sink)
+            if _fill(slots, queue, sink, stats):
+                ahead = -1  # the arrivals have no draft yet: the next round proposes afresh
+            stats.rounds += 1
+        pending = launched
         busy += time.perf_counter() - start
     # widths and prefill shapes are captured as they are first used
     stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
@@ -170,14 +244,16 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
         sink.latency[r.index] = now - sink.latency[r.index]
 
 
-def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_index: int, K: int,
-                  drafted: bool) -> tuple[list[int], int]:
-    """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped
-    and the tokens the live slots committed before budgets and stops cut them (accepted + 1 each).
+def _commit_round(slots: Slots, packed: torch.Tensor, launched: Launched, sink: Sink, round_index: int,
+                  K: int) -> tuple[list[int], int, int]:
+    """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped,
+    the tokens the live slots committed before budgets and stops cut them (accepted + 1 each) and how many they were.
+    A slot's row is its request's only if that request held the slot when the round was launched (`launched.
+    requests`): under overlap a request that stopped in the round before, or one admitted since, is not in it.
 
     why plain Python lists here: per-element tensor indexing costs microseconds each, C of them per round, which
     on a GPU is the time of a whole captured round; the log's tensors are built once at the end (Sink.close)."""
-    live_slots = [s for s, r in enumerate(slots.request) if r is not None]
+    live_slots = [s for s, r in enumerate(slots.request) if r is not None and r is launched.requests[s]]
     table = packed.tolist()
     bad = [slots.request[s].index for s in live_slots if not table[s][K + 1 + FINITE]]
     if bad:
@@ -201,10 +277,10 @@ def _commit_round(slots: Slots, packed: torch.Tensor, draft, sink: Sink, round_i
         slots.rounds_cpu[s] += 1
         if not live:
             done.append(s)
-    if not drafted:  # a plain round: no confidences (zeros in the log, see RoundLog.confidences)
+    if not launched.drafting:  # a plain round: no confidences (zeros in the log, see RoundLog.confidences)
         sink.confidence.append((None, live_slots))
-    elif draft.confidence is not None:  # a device-side copy of the round's buffer, read back once at the end
-        sink.confidence.append((draft.confidence.float().clone(), live_slots))
+    elif launched.confidence is not None:  # a device-side copy of the round's buffer, read back once at the end
+        sink.confidence.append((launched.confidence, live_slots))
     sink.log.batch.append(len(live_slots))
     sink.log.time.append(time.perf_counter() - sink.t0)
-    return done, committed
+    return done, committed, len(live_slots)
