@@ -347,6 +347,22 @@ def test_simulator_validation_writes_measured_and_predicted(tmp_path):
     assert set(doc["constants"]) == {"1", "2"} and (out / "simulator_validation.png").is_file()
 
 
+def test_simulator_validation_prices_each_row_in_its_own_round_order(tmp_path, monkeypatch):
+    """Where plain rounds overlap the CPU's bookkeeping (forced here on the CPU) and n-gram rounds cannot, the
+    n-gram rows are priced with the constants of plain rounds run in order; rows say which they were."""
+    from dspark.engine import serve
+
+    monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu"))
+    out = tmp_path / "val"
+    run("experiment", "simulator_validation", "--host", "random:tiny-llama", "--drafters", "ngram", "dspark",
+        "--policies", "full", "--concurrency", "2", "--num-prompts", "3", "--max-new-tokens", "6",
+        "--out-dir", str(out))
+    doc = load(out / "simulator_validation.json")
+    assert {r["method"]: r["overlapped"] for r in doc["rows"]} == {"plain": True, "ngram": False, "dspark": True}
+    assert "step_overhead_ms_in_order" in doc["constants"]["2"]
+    assert serve.OVERLAP_DEVICES == ("cuda", "cpu")  # the in-order plain run restored it
+
+
 def test_simulate_cli_and_report(acceptance_dir, concurrency_dir, cost_path, tmp_path):
     out = tmp_path / "results"
     run("experiment", "simulate", "--traces", str(acceptance_dir / "trace_dspark_chat.json"), "--cost-table",
