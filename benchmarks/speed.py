@@ -87,7 +87,8 @@ def engine_run(host, ids, C: int, drafter=None, K: int = 7) -> dict:
             "requests": len(ids), "graphs": e["graphs"], "warmup_s": e["warmup_s"],
             "stage_ms_per_round": {k: 1000 * v / max(1, out.rounds) for k, v in e["stage_s"].items()},
             "in_flight_fraction_until_dry": (sum(flight[:full]) / (C * full)) if full else float("nan"),
-            "overlapped": e["overlapped"], "ttft_s_mean": sum(out.ttft) / len(out.ttft), "latency_s_mean": sum(out.latency) / len(out.latency),
+            "overlapped": e["overlapped"], "ttft_s_mean": sum(out.ttft) / len(out.ttft),
+            "latency_s_mean": sum(out.latency) / len(out.latency),
             "tokens": out.token_ids}
 
 

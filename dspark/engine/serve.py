@@ -8,9 +8,11 @@ that stopped, and admission of queued requests into the freed slots, each with i
 other arrivals of that moment; replayed as a CUDA graph where the rounds are, dspark.engine.prefill). Static-batch
 decoding is the case where every request is admitted at once (C = the number of requests).
 
-Overlap (`overlap_allowed`, CUDA): where launching a round needs nothing from the last one's copy (plain decoding,
-verify-all of a drafter whose width the CPU knows), round r + 1 is launched before round r is committed, so the
-device runs it while the CPU commits, retires and admits; the copy is then non-blocking, into pinned memory.
+Overlap (`overlap_allowed`, CUDA): round r + 1 is launched before round r is committed, so the device runs it while
+the CPU commits, retires and admits: before the wait for round r's copy where the launch needs nothing from it
+(plain decoding, verify-all of a drafter whose width the CPU knows), right after it where the launch needs the
+longest length of the draft proposed at the end of round r (n-gram lengths, the threshold); the copy is then
+non-blocking, into pinned memory. In order otherwise (the schedulers: their Python state follows every round).
 """
 from __future__ import annotations
 
@@ -102,22 +104,29 @@ class EngineStats:
 OVERLAP_DEVICES = ("cuda",)
 
 
-def overlap_allowed(runner, verifier, K: int) -> bool:
-    """Whether round r + 1 may be launched before round r is committed on the CPU, so that the device runs it while
-    the CPU commits, retires and admits (no round waits on the CPU's bookkeeping). Only where launching a round
-    needs nothing from the last one's copy: plain decoding, or verify-all of a drafter whose width the CPU knows
-    (the verify width is then bounded by the CPU's budgets, which lag one round but only from above), with a
-    verifier that keeps no per-round state (the base draft_next, after_round and next_width).
+def overlap_allowed(runner, verifier, K: int) -> str | None:
+    """How round r + 1 may be launched before round r is committed on the CPU, so that the device runs it while the
+    CPU commits, retires and admits (no round waits on the CPU's bookkeeping); None = in order. "known": the launch
+    needs nothing from round r's copy (plain decoding, or verify-all of a drafter whose width the CPU knows: the
+    verify width is then bounded by the CPU's budgets, which lag one round but only from above), so it comes before
+    the wait for that copy. "ahead": the verify width depends on device values and the runner proposes each next
+    draft at the end of a round (graphs.lookahead_allowed): round r + 1 is launched as soon as round r's copy (with
+    that draft's longest length) is read, and round r is committed while r + 1 runs. Either needs a verifier that
+    keeps no per-round state (the base draft_next, after_round and next_width).
 
-    Lossless like the plain order: the device is where tokens are decided, and it never reads the CPU's view; a
-    request that stopped in round r (a stop token, a callback) runs one more round on the device whose row nobody
-    commits (`Launched.requests`), and one whose budget ran out commits nothing more (round.accept). Its cost:
-    a freed slot is refilled one round later. On the CPU, where a device read costs nothing, it only costs that."""
+    Lossless like the order it replaces: the device is where tokens are decided, and it never reads the CPU's view;
+    a request that stopped in round r (a stop token, a callback) runs one more round on the device whose row nobody
+    commits (`Launched.requests`), and one whose budget ran out commits nothing more (round.accept). Its cost: a
+    freed slot is refilled one round later. On the CPU, where a device read costs nothing, it only costs that."""
     if runner.host.device.type not in OVERLAP_DEVICES:
-        return False
+        return None
     stateless = all(getattr(type(verifier), m) is getattr(Verifier, m) for m in ("draft_next", "after_round",
                                                                                   "next_width"))
-    return stateless and (K == 0 or (verifier.static_length and runner.known_width() is not None))
+    if not stateless:
+        return None
+    if K == 0 or (verifier.static_length and runner.known_width() is not None):
+        return "known"
+    return "ahead" if runner.lookahead else None
 
 
 @dataclass
@@ -168,28 +177,36 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
     stats = EngineStats()
     queue = deque(requests)
-    overlap = stats.overlapped = overlap_allowed(runner, verifier, K)  # while every slot is idle
+    overlap = overlap_allowed(runner, verifier, K)  # while every slot is idle
+    stats.overlapped = overlap is not None
+    if overlap:
+        runner.slack = K + 1  # EagerRound's attention window: the CPU's cache lengths lag one round behind
     _fill(slots, queue, sink, stats)
     busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
     ahead = -1  # the longest length of the draft the last round proposed for this one (graphs.lookahead_allowed)
-    if overlap:
-        runner.slack = K + 1  # EagerRound's attention window: the CPU's cache lengths lag one round behind
-    pending: Launched | None = None  # a round on the device that the CPU has not committed yet (overlap)
+    fresh = True  # requests arrived since the last launch: the next round proposes afresh (they have no draft)
+    pending: Launched | None = None  # a launched round the CPU has not committed yet
     while slots.in_flight() or pending is not None:
         start = time.perf_counter()
+        packed = None
+        if pending is not None and overlap == "ahead":  # the launch needs the last round's copy (its AHEAD)
+            packed = pending.copy.wait()
+        if packed is not None:
+            ahead = -1 if fresh else int(packed[0, K + 1 + AHEAD])
         launched = None
         if slots.in_flight():
             drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
-            packed, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
+            out, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
             # the round's device-to-host copy (the only one but in a round after an admission), and its confidences
             # for the log, taken before the next round's propose rewrites the draft buffers
             confidence = draft.confidence.float().clone() if drafting and draft.confidence is not None else None
-            launched = Launched(HostCopy(packed), confidence, L, drafting, list(slots.request))
-        if not overlap:  # commit the round just launched
+            launched = Launched(HostCopy(out), confidence, L, drafting, list(slots.request))
+            fresh = False
+        if overlap is None:  # in order: commit the round just launched
             pending, launched = launched, None
         if pending is not None:
-            packed = pending.copy.wait()
-            if not overlap:
+            packed = pending.copy.wait() if packed is None else packed
+            if overlap is None:
                 ahead = int(packed[0, K + 1 + AHEAD])
             slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
             done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
@@ -200,7 +217,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
                                  committed=committed)
             _finish(slots, done, sink)
             if _fill(slots, queue, sink, stats):
-                ahead = -1  # the arrivals have no draft yet: the next round proposes afresh
+                fresh, ahead = True, -1
             stats.rounds += 1
         pending = launched
         busy += time.perf_counter() - start
