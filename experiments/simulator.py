@@ -89,7 +89,10 @@ class Pricing:
     admission's prefill, before its first step. `observe_seconds(rows)`, when given, prices the drafter's observe
     of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too).
     `step_overhead_ms` is added to every step (the engine's acceptance and CPU bookkeeping) and `admission_ms` to
-    every step that admits requests (one prefill per group of arrivals)."""
+    every step that admits requests (one prefill per group of arrivals). `overlap`: the engine's overlapped rounds
+    (dspark.engine.serve.overlap_allowed), each launched before the last one is committed: a verifier hears of a
+    step after the next one has drafted or not (a draft gate lags one step), and a finished request holds its
+    slot one more step (its refill comes a step later; a step with only such rows still runs)."""
 
     mode: str = "ragged"
     draft_ms: float = 0.0
@@ -97,6 +100,7 @@ class Pricing:
     observe_seconds: Optional[Callable[[int], float]] = None
     step_overhead_ms: float = 0.0
     admission_ms: float = 0.0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("ragged", "slots"):
@@ -138,10 +142,13 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
     if gate is not None:
         gate.begin()
         gate.fixed_draft_s = pricing.draft(concurrency)
-    while waiting or live:
-        if waiting and len(live) < concurrency:
+    blocked = 0  # slots still held by requests that finished in the last step (overlap)
+    told = None  # the last step's after_round, told one step late (overlap)
+    last_step_s = 0.0  # what the last step cost: a step of only finished rows (overlap) costs the same
+    while waiting or live or blocked:
+        if waiting and len(live) + blocked < concurrency:
             now += pricing.admission_ms / 1000.0  # one prefill for the arrivals of this moment
-        while waiting and len(live) < concurrency:
+        while waiting and len(live) + blocked < concurrency:
             live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
             admitted += 1
             if pricing.slots:  # the admission's prefill draws the first new token, as the engine's does
@@ -150,6 +157,8 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
                 if live[-1].trace["new_tokens"] <= 1:  # done at admission: no round of its own
                     live.pop()
         if not live:
+            if blocked:  # launched before the engine knew its rows had finished: it runs all the same
+                now, steps, blocked = now + last_step_s, steps + 1, 0
             continue
         if policy is not None and tuple(s.serial for s in live) != members:
             policy.begin(batch_size=len(live))  # why: per-request policy state is indexed by batch row
@@ -171,11 +180,15 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         B = pricing.verify_tokens(ell, concurrency, K)
         rows = concurrency if pricing.slots else R  # the rows a draft step covers
         draft_s = (pricing.draft(rows) if drafting else 0.0) + (pricing.observe(rows) if policy is not None else 0.0)
-        now += 1.0 / float(cost(B)) + draft_s + pricing.step_overhead_ms / 1000.0
+        last_step_s = 1.0 / float(cost(B)) + draft_s + pricing.step_overhead_ms / 1000.0
+        now += last_step_s
         steps += 1
         if policy is not None:
-            policy.after_round(slots=R, rows=R, width=int(ell.max()), drafted=drafting,
-                               committed=int(accepted.sum()) + R)
+            heard = dict(slots=R, rows=R, width=int(ell.max()), drafted=drafting, committed=int(accepted.sum()) + R)
+            if pricing.overlap:  # this step's draft_next came before the last step's after_round
+                told, heard = heard, told
+            if heard is not None:
+                policy.after_round(**heard)
         verified_sum += int(ell.sum())
         accepted_sum += int(accepted.sum())
         request_rounds += R
@@ -189,6 +202,7 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
                 speeds.append(s.tokens / (now - s.start))
             else:
                 still.append(s)
+        blocked = len(live) - len(still) if pricing.overlap else 0
         live = still
     return {"tokens_per_s": total_tokens / now,
             "per_request_tokens_per_s": sum(speeds) / len(speeds) if speeds else float("nan"),

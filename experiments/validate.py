@@ -15,9 +15,9 @@ Steps, all on this machine:
    cycled to max(C, --num-prompts) requests;
 4. the machine's two constants, from the plain run at each C: `admission_ms` (measured: wall time of its
    admissions per group of arrivals) and `step_overhead_ms` (its time not explained by the table's verify steps
-   or by admissions, per round: acceptance, CPU bookkeeping; negative where the table overprices the step); where
-   plain rounds overlap the CPU's bookkeeping (CUDA) a second plain run in order gives the constants of the rows
-   whose rounds cannot overlap (`step_overhead_ms_in_order`; each row says whether it `overlapped`);
+   or by admissions, per round: acceptance, CPU bookkeeping; negative where the table overprices the step), and
+   whether its rounds overlapped the CPU's bookkeeping (CUDA: dspark.engine.serve.overlap_allowed, as every
+   policy's rounds there), which the replay then models (`Pricing.overlap`; each row says whether it `overlapped`);
 5. predicted: `experiments.simulator.simulate` with slot pricing (every slot in every step, bucketed widths), the
    profiled draft cost and those constants, on the same request sequence;
 6. the relative error of every prediction.
@@ -87,7 +87,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
         admission_ms = 1000 * e["admit_s"] / max(1, e["admissions"])
         # negative when the table prices a step above what the engine took (the constant then corrects the table)
         raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds / float(cost(C))) / max(1, plain.rounds)
-        return dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw)
+        return dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw, overlap=e["overlapped"])
 
     rows, constants = [], {}
     for C in opts.concurrency:
@@ -95,14 +95,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
         plain = decode(batch, None, None, C)
         machine = fit(plain, C)
         constants[C] = {"admission_ms": machine["admission_ms"], "step_overhead_ms": machine["step_overhead_ms"],
-                        "verify_ms_table": 1000 / float(cost(C))}
-        # why a second plain run: where plain rounds overlap the CPU's bookkeeping (CUDA: serve.overlap_allowed) and
-        # a policy's rounds cannot (device-side widths, a stateful verifier), that policy is priced with the
-        # constants of plain rounds run in the same order as its own
-        in_order = machine
-        if plain.engine["overlapped"]:
-            in_order = fit(_in_order(lambda: decode(batch, None, None, C)), C)
-            constants[C]["step_overhead_ms_in_order"] = in_order["step_overhead_ms"]
+                        "verify_ms_table": 1000 / float(cost(C)), "overlap": machine["overlap"]}
         shared = dict(concurrency=C, cost=cost, requests=len(batch))
         any_trace = next(iter(traces.values()), None) or trace_from_result(plain, draft_length=0, method="plain")
         predicted = simulate(any_trace, policy=None, pricing=Pricing(**machine), **shared)
@@ -117,7 +110,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
             for p in opts.policies:
                 measured = decode(batch, drafter, policy(p, name), C)
                 pricing = Pricing(draft_seconds=draft_seconds, observe_seconds=partial(draft_seconds, step="observe"),
-                                  **(machine if measured.engine["overlapped"] else in_order))
+                                  **{**machine, "overlap": measured.engine["overlapped"]})
                 predicted = simulate(traces[name], policy=policy(p, name), pricing=pricing, **shared)
                 rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K))
                 print(f"C={C:4d} {name}/{p}: measured {rows[-1]['measured_tokens_per_s']:.1f} tok/s, predicted "
@@ -129,17 +122,6 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
     return {"rows": rows, "constants": constants, "draft_length": K,
             "max_relative_error": max(tested) if tested else None,
             "max_relative_error_all": max(abs(r["relative_error"]) for r in rows)}
-
-
-def _in_order(run):
-    """run() with every round committed before the next is launched (serve.OVERLAP_DEVICES emptied meanwhile)."""
-    from dspark.engine import serve
-
-    devices, serve.OVERLAP_DEVICES = serve.OVERLAP_DEVICES, ()
-    try:
-        return run()
-    finally:
-        serve.OVERLAP_DEVICES = devices
 
 
 def _row(method: str, policy: str, C: int, measured, predicted: dict, *, fitted: bool, K: int) -> dict:
@@ -164,14 +146,13 @@ def render(doc: dict, out: Path) -> Section:
                                   ("relative_error", "relative error"), ("fitted", "fitted"),
                                   ("overlapped", "overlapped")])
     consts = "\n".join(f"| {C} | {c['verify_ms_table']:.3f} | {c['step_overhead_ms']:.3f} | "
-                       f"{c.get('step_overhead_ms_in_order', c['step_overhead_ms']):.3f} | {c['admission_ms']:.3f} |"
-                       for C, c in doc["constants"].items())
+                       f"{c.get('overlap', False)} | {c['admission_ms']:.3f} |" for C, c in doc["constants"].items())
     worst = doc["max_relative_error"]
     text = (f"Largest relative error of a prediction (speculative rows): "
             f"{'n/a' if worst is None else f'{100 * worst:.1f} %'}; with the fitted plain rows: "
             f"{100 * doc['max_relative_error_all']:.1f} %.\n\n" + table
             + "\n\nMachine constants from the plain run at each C (the verify step from the cost table):\n\n"
-              "| C | verify ms (table) | step overhead ms | in order (rows that cannot overlap) | admission ms |\n"
+              "| C | verify ms (table) | step overhead ms | rounds overlapped | admission ms |\n"
               "|---|---|---|---|---|\n" + consts + "\n")
     fig, axes = figure(4.8, 4.4)
     ax = axes[0, 0]

@@ -61,15 +61,24 @@ def test_plain_rounds_in_captured_runs_equal_eager(cuda_host, name, tmp_path):
     proposes nothing: the tokens of the eager loop, static batch, greedy and sampled."""
     from tests.test_draft_gate import EveryThird
 
+    from dspark.engine import serve
+
     drafter = build_any(name, cuda_host, tmp_path)
     if isinstance(drafter, torch.nn.Module):
         drafter = drafter.to("cuda")
     prompts = random_prompts([5, 1, 12, 7], cuda_host.vocab_size, seed=5)
-    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-        runs = [generate(cuda_host, prompts, drafter=drafter, verifier=EveryThird(), draft_length=K,
-                         max_new_tokens=12, sampling=sampling, seeds=[1, 2, 3, 4], engine=engine, graphs=graphs)
-                for engine, graphs in (("eager", None), ("slots", True))]
+    # overlapped, the gate hears of each round one round later and drafts in other rounds than the eager loop:
+    # greedy tokens are still the same, sampled ones are compared with the rounds in order
+    for sampling, devices in ((SamplingConfig(), ("cuda",)), (SamplingConfig(temperature=1.0), ())):
+        runs = []
+        for engine, graphs in (("eager", None), ("slots", True)):
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(serve, "OVERLAP_DEVICES", devices)
+                runs.append(generate(cuda_host, prompts, drafter=drafter, verifier=EveryThird(), draft_length=K,
+                                     max_new_tokens=12, sampling=sampling, seeds=[1, 2, 3, 4], engine=engine,
+                                     graphs=graphs))
         assert runs[0].token_ids == runs[1].token_ids and 1 in runs[1].engine["widths"]
+        assert runs[1].engine["overlapped"] == bool(devices)
 
 
 @pytest.mark.parametrize("name", ["none", "dspark", "ngram"])

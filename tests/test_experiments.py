@@ -347,20 +347,24 @@ def test_simulator_validation_writes_measured_and_predicted(tmp_path):
     assert set(doc["constants"]) == {"1", "2"} and (out / "simulator_validation.png").is_file()
 
 
-def test_simulator_validation_prices_each_row_in_its_own_round_order(tmp_path, monkeypatch):
-    """Where plain rounds overlap the CPU's bookkeeping (forced here on the CPU) and n-gram rounds cannot, the
-    n-gram rows are priced with the constants of plain rounds run in order; rows say which they were."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+def test_simulator_validation_replays_the_engines_steps(tmp_path, monkeypatch, overlap):
+    """The replay takes as many steps as the engine ran rounds for plain decoding, with the rounds in order and
+    overlapped (forced here on the CPU: a finished request's slot is held one more round, and a round of only such
+    rows still runs), and rows say how their rounds ran."""
     from dspark.engine import serve
 
-    monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu") if overlap else ())
     out = tmp_path / "val"
     run("experiment", "simulator_validation", "--host", "random:tiny-llama", "--drafters", "ngram", "dspark",
-        "--policies", "full", "--concurrency", "2", "--num-prompts", "3", "--max-new-tokens", "6",
+        "--policies", "full", "scheduler", "--concurrency", "1", "2", "--num-prompts", "3", "--max-new-tokens", "6",
         "--out-dir", str(out))
     doc = load(out / "simulator_validation.json")
-    assert {r["method"]: r["overlapped"] for r in doc["rows"]} == {"plain": True, "ngram": False, "dspark": True}
-    assert "step_overhead_ms_in_order" in doc["constants"]["2"]
-    assert serve.OVERLAP_DEVICES == ("cuda", "cpu")  # the in-order plain run restored it
+    assert all(r["overlapped"] == overlap for r in doc["rows"])
+    assert all(c["overlap"] == overlap for c in doc["constants"].values())
+    for r in doc["rows"]:
+        if r["method"] == "plain":
+            assert r["predicted_steps"] == r["rounds"], r
 
 
 def test_simulate_cli_and_report(acceptance_dir, concurrency_dir, cost_path, tmp_path):

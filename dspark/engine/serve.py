@@ -11,8 +11,8 @@ decoding is the case where every request is admitted at once (C = the number of 
 Overlap (`overlap_allowed`, CUDA): round r + 1 is launched before round r is committed, so the device runs it while
 the CPU commits, retires and admits: before the wait for round r's copy where the launch needs nothing from it
 (plain decoding, verify-all of a drafter whose width the CPU knows), right after it where the launch needs the
-longest length of the draft proposed at the end of round r (n-gram lengths, the threshold); the copy is then
-non-blocking, into pinned memory. In order otherwise (the schedulers: their Python state follows every round).
+longest length of the draft proposed at the end of round r (n-gram lengths, the threshold) or a lagged scheduler's
+bound; the copy is then non-blocking, into pinned memory. A draft gate then decides from the rounds before the last.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.graphs import round_runner
-from dspark.engine.protocol import Verifier
 from dspark.engine.results import RoundLog
 from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, SEQ_LEN, VERIFIED
 from dspark.engine.slots import Request, Slots
@@ -106,27 +105,25 @@ OVERLAP_DEVICES = ("cuda",)
 
 def overlap_allowed(runner, verifier, K: int) -> str | None:
     """How round r + 1 may be launched before round r is committed on the CPU, so that the device runs it while the
-    CPU commits, retires and admits (no round waits on the CPU's bookkeeping); None = in order. "known": the launch
-    needs nothing from round r's copy (plain decoding, or verify-all of a drafter whose width the CPU knows: the
-    verify width is then bounded by the CPU's budgets, which lag one round but only from above), so it comes before
-    the wait for that copy. "ahead": the verify width depends on device values and the runner proposes each next
-    draft at the end of a round (graphs.lookahead_allowed): round r + 1 is launched as soon as round r's copy (with
-    that draft's longest length) is read, and round r is committed while r + 1 runs. Either needs a verifier that
-    keeps no per-round state (the base draft_next, after_round and next_width).
+    CPU commits, retires and admits (no round waits on the CPU's bookkeeping); None = in order (not on this
+    device). "known": the launch needs nothing from round r's copy (plain decoding, or verify-all of a drafter
+    whose width the CPU knows: the verify width is then bounded by the CPU's budgets, which lag one round but only
+    from above), so it comes before the wait for that copy. "ahead": the launch needs round r's copy (the longest
+    length of the draft proposed at the end of round r, graphs.lookahead_allowed, or a lagged scheduler's bound on
+    round r + 1's lengths), so round r + 1 is launched as soon as that copy is read, and round r committed while
+    r + 1 runs.
 
     Lossless like the order it replaces: the device is where tokens are decided, and it never reads the CPU's view;
     a request that stopped in round r (a stop token, a callback) runs one more round on the device whose row nobody
-    commits (`Launched.requests`), and one whose budget ran out commits nothing more (round.accept). Its cost: a
+    commits (`Launched.requests`), and one whose budget ran out commits nothing more (round.accept). A verifier
+    learns of round r (`after_round`) after round r + 1 was launched, so a draft gate decides from the rounds
+    before the last: fewer finished rounds, still never a draft not yet made (Verifier.draft_next). Its cost: a
     freed slot is refilled one round later. On the CPU, where a device read costs nothing, it only costs that."""
     if runner.host.device.type not in OVERLAP_DEVICES:
         return None
-    stateless = all(getattr(type(verifier), m) is getattr(Verifier, m) for m in ("draft_next", "after_round",
-                                                                                  "next_width"))
-    if not stateless:
-        return None
     if K == 0 or (verifier.static_length and runner.known_width() is not None):
         return "known"
-    return "ahead" if runner.lookahead else None
+    return "ahead"
 
 
 @dataclass
@@ -193,6 +190,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
             packed = pending.copy.wait()
         if packed is not None:
             ahead = -1 if fresh else int(packed[0, K + 1 + AHEAD])
+            slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])  # a lagged scheduler's bound on the next round
         launched = None
         if slots.in_flight():
             drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
@@ -208,7 +206,8 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
             packed = pending.copy.wait() if packed is None else packed
             if overlap is None:
                 ahead = int(packed[0, K + 1 + AHEAD])
-            slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
+            if overlap != "ahead":
+                slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
             done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
             stats.in_flight.append(live)
             stats.widths.append(pending.L + 1)
