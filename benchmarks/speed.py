@@ -7,8 +7,8 @@ speculative, stages, graphs, in_flight, divergence, llama8b_step_ms, llama8b_flo
 markdown table. Every run uses the same prompts (six MT-Bench first turns, repeated to fill the larger runs),
 128 new tokens, greedy; a run at concurrency C keeps C requests in flight (closed loop, dspark.engine).
 
---overlap on|off|both: rounds launched before the last one is committed (dspark.engine.serve.overlap_allowed: all
-but the schedulers'); `both` (the default) also runs plain decoding in order (runs key plain_in_order).
+--overlap on|off|both: rounds launched before the last one is committed (dspark.engine.serve.overlap_allowed);
+`both` (the default) also runs plain decoding in order (runs key plain_in_order).
 
 --compile on|off|both: the host's decode steps through torch.compile'd layers (dspark.engine.compiled) or its eager
 layers; `both` (the default) runs plain decoding and the llama-8b step both ways in this run (keys with the suffix
