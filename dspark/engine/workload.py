@@ -58,6 +58,7 @@ def run_workload(host, prompts: list[list[int]], *, concurrency: int, drafter=No
         "admit_s": out.engine["admit_s"],
         "warmup_s": out.engine["warmup_s"],
         "stage_s": out.engine["stage_s"],
+        "overlapped": out.engine["overlapped"],  # rounds launched before the last one was committed (CUDA)
         "in_flight": in_flight,
         "per_request": requests,
     }
