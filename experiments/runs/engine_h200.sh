@@ -4,7 +4,7 @@
 # chunk running `bash .device-stage/N/unstage.sh`), then, back to back while the machine is warm:
 #
 #   PHASE=tests bash experiments/runs/engine_h200.sh        # tests/test_engine_cuda.py  -> engine_cuda_tests.log
-#   PHASE=speed bash experiments/runs/engine_h200.sh        # benchmarks/speed.py --compile both -> speed.json
+#   PHASE=speed bash experiments/runs/engine_h200.sh        # speed.py --compile both (--overlap both) -> speed.json
 #   PHASE=llama8b bash experiments/runs/engine_h200.sh      # the random llama-8b step, added to that speed.json
 #   PHASE=validate bash experiments/runs/engine_h200.sh     # simulator_validation.json (+ .md, .png, cost.json)
 #   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
