@@ -8,6 +8,14 @@
 #   PHASE=llama8b bash experiments/runs/engine_h200.sh      # the random llama-8b step, added to that speed.json
 #   PHASE=validate bash experiments/runs/engine_h200.sh     # simulator_validation.json (+ .md, .png, cost.json)
 #   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
+#   PHASE=sps8b bash experiments/runs/engine_h200.sh        # cost_llama8b.json: the random llama-8b SPS(B) table
+#
+# sps8b (issue 22, item 6): the random llama-8b host's verify steps, replayed as CUDA graphs, bf16, at 1..512
+# requests x 1, 2, 4, 8 tokens, with an 8B-shaped DSpark drafter's own propose / observe cost (random weights: a
+# cost, not an acceptance). Back on the CPU machine, the SmolLM2 acceptance traces predict fixed-gamma break-even on
+# that host: `dspark experiment simulate --traces benchmarks/cpu/acceptance_ngram_smollm2/trace_ngram_*.json
+# --cost-table benchmarks/h200/cost_llama8b.json --policies full scheduler --concurrency 1 2 4 8 16 32 64 128 256
+# 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
 # HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings.
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
@@ -17,7 +25,7 @@
 # staged GGUF into $DSPARK_CACHE (about 20 s), which later phases reuse while the machine stays warm.
 set -euo pipefail
 OUT=${OUT:?set OUT}
-PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate or concurrency}
+PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency or sps8b}
 STAGE=${STAGE:-/tmp/dspark-stage}
 mkdir -p "$OUT" /tmp/site
 if ! python3 -c "import gguf" 2>/dev/null; then
@@ -55,6 +63,10 @@ case "$PHASE" in
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
+  sps8b)
+    python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode graph \
+      --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
+      --out "$OUT/cost_llama8b.json" ;;
   *)
-    echo "unknown PHASE=$PHASE (tests, speed, llama8b, validate, concurrency)" >&2; exit 2 ;;
+    echo "unknown PHASE=$PHASE (tests, speed, llama8b, validate, concurrency, sps8b)" >&2; exit 2 ;;
 esac
