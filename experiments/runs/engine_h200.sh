@@ -10,6 +10,8 @@
 #   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
 #   PHASE=sps8b bash experiments/runs/engine_h200.sh        # cost_llama8b.json: the random llama-8b SPS(B) table
 #
+# tests and sps8b need no staging (random hosts): PHASE="tests sps8b" is a good first call of a fresh machine.
+#
 # sps8b (issue 22, item 6): the random llama-8b host's verify steps, replayed as CUDA graphs, bf16, at 1..512
 # requests x 1, 2, 4, 8 tokens, with an 8B-shaped DSpark drafter's own propose / observe cost (random weights: a
 # cost, not an acceptance). Back on the CPU machine, the SmolLM2 acceptance traces predict fixed-gamma break-even on
@@ -17,7 +19,8 @@
 # --cost-table benchmarks/h200/cost_llama8b.json --policies full scheduler --concurrency 1 2 4 8 16 32 64 128 256
 # 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
-# HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings.
+# HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings;
+# HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager).
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones; without it they are random-initialised (tau ~1: the rows then
 # measure the engine's overhead at that tau, and the results say so). COMPILE=1 adds --compile to the validate and
@@ -28,23 +31,27 @@ OUT=${OUT:?set OUT}
 PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency or sps8b}
 STAGE=${STAGE:-/tmp/dspark-stage}
 mkdir -p "$OUT" /tmp/site
-if ! python3 -c "import gguf" 2>/dev/null; then
+# the staged wheels and GGUF, where staged (the random-host phases, tests and sps8b, need neither)
+if ! python3 -c "import gguf" 2>/dev/null && compgen -G "$STAGE/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site "$STAGE"/*.whl
 fi
 export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 WANDB_MODE=offline
 export DSPARK_CACHE=${DSPARK_CACHE:-/tmp/dspark-cache}
-DSPARK_SMOLLM2_GGUF=${DSPARK_SMOLLM2_GGUF:-$(ls "$STAGE"/*.gguf | head -1)}
-export DSPARK_SMOLLM2_GGUF
+if [ -z "${DSPARK_SMOLLM2_GGUF:-}" ] && compgen -G "$STAGE/*.gguf" >/dev/null; then
+  DSPARK_SMOLLM2_GGUF=$(ls "$STAGE"/*.gguf | head -1)
+  export DSPARK_SMOLLM2_GGUF
+fi
 paths=()
 if [ -n "${CHECKPOINTS:-}" ]; then
   for d in dspark dflash eagle3; do [ -d "$CHECKPOINTS/$d" ] && paths+=("$d=$CHECKPOINTS/$d"); done
 fi
 compile=()
 if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
-case "$PHASE" in
+for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
+case "$phase" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py tests/test_compiled.py tests/test_prefill.py 2>&1 \
-      | tee "$OUT/engine_cuda_tests.log" ;;
+      | tee "$OUT/engine_cuda_tests.log" || true ;;  # a failure is in the log; the call's later phases still run
   speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
     python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile both ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
       --skip-llama8b --out-dir /tmp/speedrun || true
@@ -64,9 +71,10 @@ case "$PHASE" in
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
   sps8b)
-    python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode graph \
+    python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
       --out "$OUT/cost_llama8b.json" ;;
   *)
-    echo "unknown PHASE=$PHASE (tests, speed, llama8b, validate, concurrency, sps8b)" >&2; exit 2 ;;
+    echo "unknown phase $phase (tests, speed, llama8b, validate, concurrency, sps8b)" >&2; exit 2 ;;
 esac
+done
