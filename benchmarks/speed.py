@@ -255,6 +255,9 @@ def main(argv=None) -> int:
         result["plain_tok_s_eager_layers"] = {C: r["tok_s"] for C, r in runs["plain_eager_layers"].items()}
     result["speculative"] = {name: {"tok_s": {C: r["tok_s"] for C, r in rs.items()},
                                     "tau": {C: r["tau"] for C, r in rs.items()},
+                                    # the conversion of acceptance into speed: (spec ÷ plain tokens/s) ÷ tau
+                                    "conversion": {C: r["tok_s"] / runs["plain"][C]["tok_s"] / r["tau"]
+                                                   for C, r in rs.items() if C in runs["plain"]},
                                     "drafter": next(iter(rs.values()))["drafter"]}
                              for name, rs in runs.items() if name not in plains}
     result["divergence"] = {name: divergence(runs["plain"][1]["tokens"], rs[1]["tokens"])
@@ -283,21 +286,23 @@ def runs_json(runs: dict) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = ["| method | C | tok/s | tau | ratio to plain | ms/round draft / verify / accept / bookkeeping | graphs "
-             "| warm-up s | in flight |", "|---|---|---|---|---|---|---|---|---|"]
-    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | |")
-    lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} | | | | | | |")
+    lines = ["| method | C | tok/s | tau | ratio to plain | ratio / tau | ms/round draft / verify / accept / bookkeeping "
+             "| graphs | warm-up s | in flight |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | | |")
+    lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} "
+                 f"| | | | | | | |")
     failed = r.get("hf_custom_generate_error")
     lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | "
-                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | |")
+                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | | |")
     for name, rs in r["runs"].items():
         for C, x in rs.items():
-            plain = r["runs"][name if name.startswith("plain") else "plain"].get(C, {}).get("tok_s")
+            plain = r["runs"]["plain"].get(C, {}).get("tok_s")  # plain variants too: the overlap's, compile's gain
             st = x["stage_ms_per_round"]
             split = " / ".join(f"{st.get(k, float('nan')):.2f}" for k in ("draft", "verify", "accept", "bookkeeping"))
             ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""
+            conversion = f"{x['tok_s'] / plain / x['tau']:.2f}" if plain and not name.startswith("plain") else ""
             lines.append(f"| {name}{' (' + x['drafter'] + ')' if 'drafter' in x else ''} | {C} | {x['tok_s']:.1f} | "
-                         f"{x['tau']:.2f} | {ratio} | {split} | {x['graphs']} | {x['warmup_s']:.2f} | "
+                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {x['graphs']} | {x['warmup_s']:.2f} | "
                          f"{x['in_flight_fraction_until_dry']:.3f} |")
     if "llama8b_step_ms" in r:
         layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"
