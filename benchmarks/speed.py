@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
-from dspark.engine import serve  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
 
 NEW = 128
+OVERLAP: bool | None = None  # generate's `overlap` for every engine run (--overlap off: False)
 
 
 def sync() -> None:
@@ -74,10 +74,11 @@ def hf_tok_s(host, ids: list[list[int]], **kwargs) -> float:
     return tokens / seconds
 
 
-def engine_run(host, ids, C: int, drafter=None, K: int = 7) -> dict:
-    generate(host, ids[:C], drafter=drafter, draft_length=K, max_new_tokens=8, concurrency=C)  # warm-up
+def engine_run(host, ids, C: int, drafter=None, K: int = 7, overlap: bool | None = None) -> dict:
+    kw = dict(drafter=drafter, draft_length=K, concurrency=C, overlap=OVERLAP if overlap is None else overlap)
+    generate(host, ids[:C], max_new_tokens=8, **kw)  # warm-up
     sync()
-    out = generate(host, ids, drafter=drafter, draft_length=K, max_new_tokens=NEW, concurrency=C, timing=True)
+    out = generate(host, ids, max_new_tokens=NEW, timing=True, **kw)
     s = summarize(out, draft_length=K if drafter is not None else 0)
     e = out.engine
     flight = e["in_flight"]
@@ -161,7 +162,7 @@ def divergence(plain: list[list[int]], spec: list[list[int]]) -> dict:
 
 
 def main(argv=None) -> int:
-    global NEW
+    global NEW, OVERLAP
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", "benchmarks/h200")))
     ap.add_argument("--host", default="smollm2")
@@ -209,8 +210,8 @@ def main(argv=None) -> int:
     result["hf_prompt_lookup_tok_s"] = hf_tok_s(host, ids, prompt_lookup_num_tokens=K)
     print(f"hf done in {time.perf_counter() - t:.0f}s", flush=True)
     runs: dict = {"plain": {}}
-    if args.overlap == "off":
-        serve.OVERLAP_DEVICES = ()
+    if args.overlap == "off":  # every run in order (generate's default overlaps on CUDA)
+        OVERLAP = False
     compiled = args.compile != "off"
     if args.compile == "both":  # the eager layers first, then the compiled ones on the same host object
         host.compile = False
@@ -225,13 +226,12 @@ def main(argv=None) -> int:
         print("plain", C, round(runs["plain"][C]["tok_s"], 1), flush=True)
         save_partial(args.out_dir, result, runs)
     if args.overlap == "both":  # the in-order loop too: each round's copy read before the next round is launched
-        devices, serve.OVERLAP_DEVICES = serve.OVERLAP_DEVICES, ()
         runs["plain_in_order"] = {}
         for C in args.concurrency:
-            runs["plain_in_order"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C)
+            runs["plain_in_order"][C] = engine_run(host, prompts_for(ids, n_prompts(C, args.max_prompts)), C,
+                                                   overlap=False)
             print("plain (in order)", C, round(runs["plain_in_order"][C]["tok_s"], 1), flush=True)
             save_partial(args.out_dir, result, runs)
-        serve.OVERLAP_DEVICES = devices
     for name, (drafter, how) in drafters_for(host, args.drafters, args.checkpoints, K).items():
         runs[name] = {}
         for C in args.spec_concurrency:

@@ -379,3 +379,16 @@ def test_gated_schedulers_keep_the_greedy_tokens_overlapped(tiny_host, monkeypat
     assert got.engine["overlapped"] and 0 < got.engine["drafted_rounds"] < got.rounds  # the gate skipped some
     for i, p in enumerate(prompts):
         assert got.token_ids[i] == solo(tiny_host, drafter, build_verifier("full"), p, LIMITS[i], SEEDS[i], GREEDY)
+
+
+def test_generate_takes_overlap(tiny_host):
+    """generate(overlap=...): None overlaps on CUDA only, False never, True on any device (same tokens); the
+    eager reference loop has no rounds to overlap."""
+    prompts = prompts_of(tiny_host)
+    kw = dict(drafter=drafter_of("ngram", tiny_host), draft_length=K, max_new_tokens=LIMITS, seeds=SEEDS,
+              concurrency=2)
+    runs = {o: generate(tiny_host, prompts, overlap=o, **kw) for o in (None, False, True)}
+    assert [runs[o].engine["overlapped"] for o in (None, False, True)] == [False, False, True]
+    assert runs[True].token_ids == runs[False].token_ids == runs[None].token_ids
+    with pytest.raises(ValueError, match="overlap"):
+        generate(tiny_host, prompts, overlap=True, engine="eager")

@@ -66,7 +66,8 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, seeds: Sequence[int] | None = None,
              stop_token_ids: Iterable[int] | None = None, batch_size: int | None = None, progress: bool = False,
              on_tokens: Callable[[int, list[int]], None] | None = None, concurrency: int | None = None,
-             engine: str = "slots", graphs: bool | str | None = None, timing: bool = False) -> GenerationResult:
+             engine: str = "slots", graphs: bool | str | None = None, timing: bool = False,
+             overlap: bool | None = None) -> GenerationResult:
     """Decode every prompt (lists of token ids); speculative when `drafter` is given, plain otherwise.
 
     Requests run in static batches of `batch_size` (default: all at once), or, with `concurrency` C, continuously:
@@ -77,11 +78,13 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     engine "slots" is the slot engine (dspark.engine: fixed shapes, a few verify widths, one device-to-host copy
     per round on CUDA, two in a round after an admission when the verify width depends on device values and in
     every round of the (unlagged) scheduler; CUDA graphs on CUDA unless graphs=False ("static": the graph path
-    without capture, any device); on CUDA each round is launched before the last one is committed, see
-    dspark.engine.serve.overlap_allowed; timing splits its rounds' device time by stage); "eager" is the reference
-    loop below, the oracle the engine is tested against.
+    without capture, any device); timing splits its rounds' device time by stage; `overlap`: each round launched
+    before the last one is committed, dspark.engine.serve.overlap_allowed: None = on CUDA); "eager" is the
+    reference loop below, the oracle the engine is tested against.
     """
     _check_engine(engine, concurrency)
+    if overlap and engine == "eager":
+        raise ValueError("overlapped rounds (overlap=True) need engine='slots'")
     n = len(prompts)
     limits = _per_request(max_new_tokens, n, "max_new_tokens")
     validate_prompts(host, prompts, limits)
@@ -105,7 +108,7 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     if engine == "slots":
         return run_slots(host, prompts, drafter=drafter, verifier=verifier, K=K, limits=limits, sampling=sampling,
                          seeds=seeds, stops=stops, batch_size=batch_size, concurrency=concurrency, bar=bar,
-                         on_tokens=on_tokens, graphs=graphs, timing=timing)
+                         on_tokens=on_tokens, graphs=graphs, timing=timing, overlap=overlap)
     sink = _Sink(outputs=[[] for _ in range(n)], reasons=["length"] * n, latency=[0.0] * n, log=RoundLog(),
                  stops=stops, bar=bar, on_tokens=on_tokens, t0=time.perf_counter())
     rounds = 0

@@ -9,7 +9,7 @@ from dspark.engine.slots import Request
 
 
 def run_slots(host, prompts, *, drafter, verifier, K, limits, sampling, seeds, stops, batch_size, concurrency, bar,
-              on_tokens, graphs, timing):
+              on_tokens, graphs, timing, overlap=None):
     """Static batches of `batch_size` (each admitted at once) or, with `concurrency`, one continuous run."""
     n = len(prompts)
     requests = [Request(index=i, prompt=list(prompts[i]), limit=limits[i], seed=seeds[i]) for i in range(n)]
@@ -17,7 +17,8 @@ def run_slots(host, prompts, *, drafter, verifier, K, limits, sampling, seeds, s
                 log=RoundLog(), stops=stops, on_tokens=on_tokens, bar=bar)
     groups = [requests] if concurrency else [requests[lo: lo + batch_size] for lo in range(0, n, batch_size)]
     runs = [serve(host, group, drafter=drafter, verifier=verifier, K=K, sampling=sampling, sink=sink,
-                  concurrency=concurrency or len(group), graphs=graphs, timing=timing) for group in groups]
+                  concurrency=concurrency or len(group), graphs=graphs, timing=timing, overlap=overlap)
+            for group in groups]
     # why without warm-up: graph capture is a one-time cost per engine (reported as engine["warmup_s"])
     seconds = time.perf_counter() - sink.t0 - sum(r.warmup_s for r in runs)
     bar.close()

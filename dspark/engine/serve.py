@@ -103,7 +103,7 @@ class EngineStats:
 OVERLAP_DEVICES = ("cuda",)
 
 
-def overlap_allowed(runner, verifier, K: int) -> str | None:
+def overlap_allowed(runner, verifier, K: int, wanted: bool | None = None) -> str | None:
     """How round r + 1 may be launched before round r is committed on the CPU, so that the device runs it while the
     CPU commits, retires and admits (no round waits on the CPU's bookkeeping); None = in order (not on this
     device). "known": the launch needs nothing from round r's copy (plain decoding, or verify-all of a drafter
@@ -118,8 +118,9 @@ def overlap_allowed(runner, verifier, K: int) -> str | None:
     commits (`Launched.requests`), and one whose budget ran out commits nothing more (round.accept). A verifier
     learns of round r (`after_round`) after round r + 1 was launched, so a draft gate decides from the rounds
     before the last: fewer finished rounds, still never a draft not yet made (Verifier.draft_next). Its cost: a
-    freed slot is refilled one round later. On the CPU, where a device read costs nothing, it only costs that."""
-    if runner.host.device.type not in OVERLAP_DEVICES:
+    freed slot is refilled one round later. On the CPU, where a device read costs nothing, it only costs that.
+    `wanted`: False = in order, True = overlapped on any device, None = overlapped on OVERLAP_DEVICES."""
+    if wanted is False or (wanted is None and runner.host.device.type not in OVERLAP_DEVICES):
         return None
     if K == 0 or (verifier.static_length and runner.known_width() is not None):
         return "known"
@@ -164,8 +165,9 @@ def prefill_mode(graphs: bool | str) -> str:
 
 
 def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling, sink: Sink, concurrency: int,
-          graphs: bool | str | None = None, timing: bool = False) -> EngineStats:
-    """Decode every request with at most `concurrency` in flight, writing into `sink`."""
+          graphs: bool | str | None = None, timing: bool = False, overlap: bool | None = None) -> EngineStats:
+    """Decode every request with at most `concurrency` in flight, writing into `sink`; `overlap` as in
+    overlap_allowed (None: on OVERLAP_DEVICES)."""
     C = max(1, min(concurrency, len(requests)))
     max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
     use_graphs = host.device.type == "cuda" if graphs is None else graphs
@@ -174,7 +176,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
     stats = EngineStats()
     queue = deque(requests)
-    overlap = overlap_allowed(runner, verifier, K)  # while every slot is idle
+    overlap = overlap_allowed(runner, verifier, K, overlap)  # while every slot is idle
     stats.overlapped = overlap is not None
     if overlap:
         runner.slack = K + 1  # EagerRound's attention window: the CPU's cache lengths lag one round behind
