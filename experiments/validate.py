@@ -81,21 +81,17 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
 
     traces = {name: trace_from_result(decode(prompts, d, build_verifier("full"), min(opts.concurrency)),
                                       draft_length=K, method=name) for name, d in drafters.items()}
-    def fit(plain, C):
-        """The machine constants of a plain run at C."""
-        e = plain.engine
-        admission_ms = 1000 * e["admit_s"] / max(1, e["admissions"])
-        # negative when the table prices a step above what the engine took (the constant then corrects the table)
-        raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds / float(cost(C))) / max(1, plain.rounds)
-        return dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw, overlap=e["overlapped"])
-
     rows, constants = [], {}
     for C in opts.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
         plain = decode(batch, None, None, C)
-        machine = fit(plain, C)
-        constants[C] = {"admission_ms": machine["admission_ms"], "step_overhead_ms": machine["step_overhead_ms"],
-                        "verify_ms_table": 1000 / float(cost(C)), "overlap": machine["overlap"]}
+        e = plain.engine
+        admission_ms = 1000 * e["admit_s"] / max(1, e["admissions"])
+        raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds / float(cost(C))) / max(1, plain.rounds)
+        # negative when the table prices a step above what the engine took (the constant then corrects the table)
+        constants[C] = {"admission_ms": admission_ms, "step_overhead_ms": raw, "verify_ms_table": 1000 / float(cost(C)),
+                        "overlap": e["overlapped"]}
+        machine = dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw, overlap=e["overlapped"])
         shared = dict(concurrency=C, cost=cost, requests=len(batch))
         any_trace = next(iter(traces.values()), None) or trace_from_result(plain, draft_length=0, method="plain")
         predicted = simulate(any_trace, policy=None, pricing=Pricing(**machine), **shared)

@@ -188,28 +188,26 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     while slots.in_flight() or pending is not None:
         start = time.perf_counter()
         packed = None
-        if pending is not None and overlap == "ahead":  # the launch needs the last round's copy (its AHEAD)
+        if pending is not None and overlap == "ahead":  # the launch needs what the last round's copy carries
             packed = pending.copy.wait()
-        if packed is not None:
-            ahead = -1 if fresh else int(packed[0, K + 1 + AHEAD])
-            slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])  # a lagged scheduler's bound on the next round
+            ahead, slots.next_width = _carried(packed, K, fresh)
         launched = None
         if slots.in_flight():
             drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
             out, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
             # the round's device-to-host copy (the only one but in a round after an admission), and its confidences
             # for the log, taken before the next round's propose rewrites the draft buffers
-            confidence = draft.confidence.float().clone() if drafting and draft.confidence is not None else None
+            confidence = (draft.confidence.to(torch.float32, copy=True) if drafting and draft.confidence is not None
+                          else None)
             launched = Launched(HostCopy(out), confidence, L, drafting, list(slots.request))
             fresh = False
         if overlap is None:  # in order: commit the round just launched
             pending, launched = launched, None
         if pending is not None:
-            packed = pending.copy.wait() if packed is None else packed
-            if overlap is None:
-                ahead = int(packed[0, K + 1 + AHEAD])
-            if overlap != "ahead":
-                slots.next_width = int(packed[0, K + 1 + NEXT_WIDTH])
+            if packed is None:
+                packed = pending.copy.wait()
+                if overlap is None:  # in order: the next launch uses what this copy carries ("known": nothing)
+                    ahead, slots.next_width = _carried(packed, K, fresh)
             done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
             stats.in_flight.append(live)
             stats.widths.append(pending.L + 1)
@@ -230,6 +228,12 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
         captured = stats.warmup_s - captured
         stats.stage_s["bookkeeping"] = max(0.0, busy - captured - sum(stats.stage_s.values()))
     return stats
+
+
+def _carried(packed: torch.Tensor, K: int, fresh: bool) -> tuple[int, int]:
+    """What a round's copy carries for the next launch: the longest length of the draft proposed at the end of the
+    round (-1 = none, or `fresh`: arrivals since make it stale) and a lagged scheduler's bound on the next lengths."""
+    return (-1 if fresh else int(packed[0, K + 1 + AHEAD])), int(packed[0, K + 1 + NEXT_WIDTH])
 
 
 def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> int:
