@@ -95,10 +95,11 @@ def engine_run(host, ids, C: int, drafter=None, K: int = 7, overlap: bool | None
 
 def drafters_for(host, names, checkpoints: Path | None, K: int):
     from drafters import build_drafter
+    from dspark.api import checkpoint_dir
 
     out = {}
-    for name in names:
-        path = None if checkpoints is None else checkpoints / name
+    for name in names:  # DIR/<name>: a save_pretrained folder or a `dspark train --output` one (its newest checkpoint)
+        path = None if checkpoints is None else checkpoint_dir(checkpoints / name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             if name == "ngram":

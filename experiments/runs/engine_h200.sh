@@ -9,6 +9,7 @@
 #   PHASE=validate bash experiments/runs/engine_h200.sh     # simulator_validation.json (+ .md, .png, cost.json)
 #   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
 #   PHASE=sps8b bash experiments/runs/engine_h200.sh        # cost_llama8b.json: the random llama-8b SPS(B) table
+#   PHASE=train bash experiments/runs/engine_h200.sh        # a short DSpark + EAGLE-3 training for the speed rows
 #
 # tests and sps8b need no staging (random hosts): PHASE="tests sps8b" is a good first call of a fresh machine.
 #
@@ -22,13 +23,15 @@
 # HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings;
 # HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager).
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
-# DSpark / DFlash / EAGLE-3 rows trained ones; without it they are random-initialised (tau ~1: the rows then
+# DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
+# experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
+# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm); without it they are random-initialised (tau ~1: the rows then
 # measure the engine's overhead at that tau, and the results say so). COMPILE=1 adds --compile to the validate and
 # concurrency phases (decide from speed.json's two plain rows). The first phase of a fresh machine converts the
 # staged GGUF into $DSPARK_CACHE (about 20 s), which later phases reuse while the machine stays warm.
 set -euo pipefail
 OUT=${OUT:?set OUT}
-PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency or sps8b}
+PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency, sps8b or train}
 STAGE=${STAGE:-/tmp/dspark-stage}
 mkdir -p "$OUT" /tmp/site
 # the staged wheels and GGUF, where staged (the random-host phases, tests and sps8b, need neither)
@@ -70,11 +73,18 @@ case "$phase" in
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
+  train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
+    ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-540} RUN=/tmp/dspark-run \
+      REGEN_FROM=experiments/data/sharegpt_smollm2_regen.jsonl.gz \
+      python3 experiments/runs/smollm2_h200.py prepare regenerate train
+    for d in /tmp/dspark-run/*/metrics.jsonl; do
+      cp "$d" "$OUT/train_metrics_$(basename "$(dirname "$d")").jsonl"
+    done ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
       --out "$OUT/cost_llama8b.json" ;;
   *)
-    echo "unknown phase $phase (tests, speed, llama8b, validate, concurrency, sps8b)" >&2; exit 2 ;;
+    echo "unknown phase $phase (tests, speed, llama8b, validate, concurrency, sps8b, train)" >&2; exit 2 ;;
 esac
 done
