@@ -21,7 +21,7 @@
 # 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
 # HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings;
-# HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager).
+# TESTS the test files of the tests phase; HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager).
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
@@ -53,7 +53,7 @@ if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
 case "$phase" in
   tests)
-    python3 -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py tests/test_compiled.py tests/test_prefill.py 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_cuda.py tests/test_compiled.py tests/test_prefill.py} 2>&1 \
       | tee "$OUT/engine_cuda_tests.log" || true ;;  # a failure is in the log; the call's later phases still run
   speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
     python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile both ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
