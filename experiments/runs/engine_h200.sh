@@ -21,7 +21,8 @@
 # 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
 # HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings;
-# TESTS the test files of the tests phase; HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager).
+# TESTS the test files of the tests phase; HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run:
+# HOST8B=random:tiny-llama SPS_MODE=eager).
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
