@@ -27,8 +27,8 @@
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
 # CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm); without it they are
-# random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so). COMPILE=1 adds --compile to the validate and
-# concurrency phases (decide from speed.json's two plain rows). The first phase of a fresh machine converts the
+# random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
+# COMPILE=1 adds --compile to the validate and concurrency phases (decide from speed.json's two plain rows). The first phase of a fresh machine converts the
 # staged GGUF into $DSPARK_CACHE (about 20 s), which later phases reuse while the machine stays warm.
 set -euo pipefail
 OUT=${OUT:?set OUT}
