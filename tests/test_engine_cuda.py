@@ -149,3 +149,35 @@ def test_lookahead_on_a_smollm2_sized_host_keeps_the_packed_output(tmp_path, mon
         assert [len(t) for t in got.token_ids] == [48] * len(prompts)
     # token equality with the eager loop is test_graph_rounds_equal_eager_solo's (a tiny host, whose logits have no
     # near-ties between the two paths' roundings; this random 30-layer host's nearly flat logits could have some)
+
+
+@pytest.mark.parametrize("name", ["none", "dspark", "ngram"])
+def test_admission_and_retirement_wait_on_nothing_the_device_runs(cuda_host, name, tmp_path):
+    """Admitting requests (their prefill, first tokens, the drafter's admission) and retiring them queue work
+    behind whatever the stream is running without waiting for it (serve's overlap: a round launched before them
+    keeps running), and the first tokens read afterwards are the prefill's."""
+    from dspark.engine.slots import Request, Slots
+    from verifiers import build_verifier
+
+    drafter = build_any(name, cuda_host, tmp_path) if name != "none" else None
+    if isinstance(drafter, torch.nn.Module):
+        drafter = drafter.to("cuda")
+    from dspark.engine.protocol import NoDrafter
+
+    drafter = drafter or NoDrafter()
+    verifier = build_verifier("full")
+    verifier.bind(drafter=drafter, K=K)
+    slots = Slots(cuda_host, drafter, verifier, capacity=4, max_len=64, sampling=SamplingConfig(), prefill="graph")
+    prompts = random_prompts([5, 9, 3], cuda_host.vocab_size, seed=2)
+    requests = [Request(index=i, prompt=p, limit=8, seed=i) for i, p in enumerate(prompts)]
+    slots.admit([0, 1], requests[:2])  # the shapes' first use captures (a synchronising warm-up), outside the check
+    slots.retire([0, 1])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued ahead of the admission
+    first = slots.admit([2, 3], requests[:2])
+    slots.retire([3])
+    assert not torch.cuda.current_stream().query(), "admission or retirement waited for the device"
+    alone = Slots(cuda_host, drafter, verifier, capacity=2, max_len=64, sampling=SamplingConfig())
+    expected = alone.admit([0, 1], requests[:2])
+    assert first.cpu().tolist() == expected.cpu().tolist()
+    assert first[:, 1].all()  # finite prefill logits

@@ -95,7 +95,7 @@ class EngineStats:
     widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
     drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
     prefill_graphs: int = 0  # of `graphs`, the prefill shapes captured (dspark.engine.prefill)
-    admit_s: float = 0.0  # wall seconds admitting (prefills, first tokens, the drafter's admission), capture excluded
+    admit_s: float = 0.0  # wall seconds launching admissions (prefills, the drafter's admission), capture excluded
     overlapped: bool = False  # rounds launched before the last one was committed (overlap_allowed)
 
 
@@ -180,7 +180,8 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     stats.overlapped = overlap is not None
     if overlap:
         runner.slack = K + 1  # EagerRound's attention window: the CPU's cache lengths lag one round behind
-    _fill(slots, queue, sink, stats)
+    arriving: list[Arrivals] = []  # admitted requests whose first tokens the CPU has not read yet
+    _fill(slots, queue, sink, stats, arriving)
     busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
     ahead = -1  # the longest length of the draft the last round proposed for this one (graphs.lookahead_allowed)
     fresh = True  # requests arrived since the last launch: the next round proposes afresh (they have no draft)
@@ -208,6 +209,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
                 packed = pending.copy.wait()
                 if overlap is None:  # in order: the next launch uses what this copy carries ("known": nothing)
                     ahead, slots.next_width = _carried(packed, K, fresh)
+            _first_tokens(slots, arriving, sink)
             done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
             stats.in_flight.append(live)
             stats.widths.append(pending.L + 1)
@@ -215,11 +217,12 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
             verifier.after_round(slots=slots.capacity, rows=live, width=pending.L, drafted=pending.drafting,
                                  committed=committed)
             _finish(slots, done, sink)
-            if _fill(slots, queue, sink, stats):
+            if _fill(slots, queue, sink, stats, arriving):
                 fresh, ahead = True, -1
             stats.rounds += 1
         pending = launched
         busy += time.perf_counter() - start
+    _first_tokens(slots, arriving, sink)  # none left by now (a round holding them was committed): kept for safety
     # widths and prefill shapes are captured as they are first used
     stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
     stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
@@ -236,28 +239,56 @@ def _carried(packed: torch.Tensor, K: int, fresh: bool) -> tuple[int, int]:
     return (-1 if fresh else int(packed[0, K + 1 + AHEAD])), int(packed[0, K + 1 + NEXT_WIDTH])
 
 
-def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats) -> int:
-    """Admit queued requests into free slots until none is free or the queue is empty; returns how many."""
+@dataclass
+class Arrivals:
+    """Requests admitted together, their first tokens on their way to the CPU (read before a round that holds them
+    is committed, `_first_tokens`)."""
+
+    copy: HostCopy  # (n, 2) first token, prefill logits finite
+    slots: list[int]
+    requests: list[Request]
+    start: float  # when the admission began, capture excluded
+
+
+def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats, arriving: list[Arrivals]) -> int:
+    """Admit queued requests into free slots until none is free or the queue is empty, adding each group of
+    arrivals to `arriving`; returns how many. Nothing here waits on the device, but for arrivals whose budget is
+    their first token: they are read at once, so that they leave (and others enter) without a round for nobody."""
     admitted = 0
     while queue and slots.free():
         free = slots.free()[: len(queue)]
-        arrivals = [queue.popleft() for _ in free]
+        requests = [queue.popleft() for _ in free]
         start, captured = time.perf_counter(), slots.prefill.warmup_s
-        first = slots.admit(free, arrivals).tolist()
+        first = slots.admit(free, requests)
         stats.admissions += 1
-        admitted += len(arrivals)
-        now = time.perf_counter()
+        admitted += len(requests)
         start += slots.prefill.warmup_s - captured  # a prefill shape's first capture is warm-up, not latency
-        stats.admit_s += now - start
+        arriving.append(Arrivals(HostCopy(first), free, requests, start))
+        stats.admit_s += time.perf_counter() - start
+        if any(r.limit <= 1 for r in requests):
+            _first_tokens(slots, arriving, sink)
+    return admitted
+
+
+def _first_tokens(slots: Slots, arriving: list[Arrivals], sink: Sink) -> None:
+    """Take the arrivals' first tokens (time to first token, stops, budgets), then forget them. Runs before a
+    round that holds them is committed: a request that stopped at its first token then commits none of it."""
+    for group in arriving:
+        table = group.copy.wait().tolist()
+        now = time.perf_counter()
+        bad = [r.index for r, (_, finite) in zip(group.requests, table) if not finite]
+        if bad:
+            raise FloatingPointError(f"non-finite values (NaN/Inf) in host logits at prefill (before round 0) for "
+                                     f"request(s) {bad}")
         done = []
-        for s, r, token in zip(free, arrivals, first):
-            sink.ttft[r.index] = now - start
-            sink.latency[r.index] = start  # admission time until the request finishes (see _finish)
+        for s, r, (token, _) in zip(group.slots, group.requests, table):
+            sink.ttft[r.index] = now - group.start
+            sink.latency[r.index] = group.start  # admission time until the request finishes (see _finish)
             _, live, slots.remaining_cpu[s] = sink.take(r, [token], slots.remaining_cpu[s])
             if not live:
                 done.append(s)
         _finish(slots, done, sink)
-    return admitted
+    arriving.clear()
 
 
 def _finish(slots: Slots, done: list[int], sink: Sink) -> None:

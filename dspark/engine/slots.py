@@ -17,7 +17,7 @@ import torch
 
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.prefill import Prefill
-from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, check_finite, process, sample
+from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, process, sample
 from dspark.engine.protocol import DraftState, Drafter
 
 
@@ -44,6 +44,15 @@ def put_rows(full, rows: torch.Tensor, part) -> None:
         full[rows] = part.to(full.dtype)
     else:
         raise TypeError(f"slot state of type {type(full).__name__} has no rows to admit into")
+
+
+def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """CPU tensors on `device`. why pinned and non-blocking on CUDA: a copy from pageable memory makes the CPU wait
+    for everything queued on the stream first (here: a round launched before this admission, serve's overlap);
+    the pinned blocks come from torch's caching host allocator, which keeps each until its copy has run."""
+    if device.type != "cuda":
+        return tuple(t.to(device) for t in tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
 def draw_first(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, position: torch.Tensor):
@@ -89,7 +98,9 @@ class Slots:
 
     @torch.no_grad()
     def admit(self, slots: list[int], requests: list[Request]) -> torch.Tensor:
-        """Prefill `requests` together and place them in `slots`; returns their first new tokens (n,) on the CPU."""
+        """Prefill `requests` together and place them in `slots`; returns, on the device, (n, 2): each one's first
+        new token and whether its prefill logits were finite (1) — read by the caller when it needs them, so that
+        an admission waits on nothing the device is still running (a round launched before it, serve's overlap)."""
         host, device, n = self.host, self.host.device, len(requests)
         plen_cpu = torch.tensor([len(r.prompt) for r in requests])
         # why a bucketed width: each new prefill shape costs kernel and attention-plan selection on a GPU (about
@@ -99,31 +110,30 @@ class Slots:
         seq = torch.zeros(n, self.max_len, dtype=torch.long)
         for b, r in enumerate(requests):
             seq[b, : len(r.prompt)] = torch.tensor(r.prompt)
-        seq, plen = seq.to(device), plen_cpu.to(device)
-        seeds = torch.tensor([r.seed for r in requests], device=device)
+        seq, plen, seeds, rows, remaining = to_device(
+            device, seq, plen_cpu, torch.tensor([r.seed for r in requests]), torch.tensor(slots),
+            torch.tensor([r.limit - 1 for r in requests]))
         cache, hidden, features = self.prefill(seq[:, :P], plen)  # the prompts in a cache of n rows
         last = hidden.gather(1, (plen - 1).view(n, 1, 1).expand(n, 1, hidden.shape[-1]))
         logits = host.logits(last[:, 0])  # (n, V)
-        # why: argmax / sampling of NaN logits returns some token; refuse it like a round's non-finite logits
-        check_finite(logits, "host logits at prefill (before round 0)",
-                     request_ids=torch.tensor([r.index for r in requests]))
+        # why: argmax / sampling of NaN logits returns some token; the caller refuses it like a round's non-finite
+        # logits (serve: FloatingPointError naming the requests) before committing anything of that request
+        finite = torch.isfinite(logits).all(-1)  # (n,)
         first = draw_first(logits, self.sampling, seeds, plen)  # (n,)
         seq.scatter_(1, plen.unsqueeze(1), first.unsqueeze(1))
         sub = DraftState(seq=seq, seq_len=plen + 1, seeds=seeds, rounds=torch.zeros_like(plen),
                          sampling=self.sampling)
-        rows = torch.tensor(slots, device=device)
         self._admit_drafter(rows, features, plen, sub)
         put_rows(self.cache, rows, cache)
         for full, part in ((self.state.seq, seq), (self.state.seq_len, sub.seq_len), (self.state.seeds, seeds),
-                           (self.state.rounds, sub.rounds), 
-                           (self.remaining, torch.tensor([r.limit - 1 for r in requests], device=device))):
+                           (self.state.rounds, sub.rounds), (self.remaining, remaining)):
             put_rows(full, rows, part)
         self.active[rows] = True
         for s, r in zip(slots, requests):
             self.request[s] = r
             self.remaining_cpu[s], self.cache_len[s], self.rounds_cpu[s] = r.limit, len(r.prompt), 0
         self.busy += len(slots)
-        return first.cpu()
+        return torch.stack([first, finite.long()], 1)
 
     def _admit_drafter(self, rows: torch.Tensor, features, plen: torch.Tensor, sub: DraftState) -> None:
         """The drafter's begin/observe/prefill on the arrivals alone, then their rows written into the slots' state."""
@@ -146,5 +156,5 @@ class Slots:
             self.request[s] = None
         self.busy -= len(slots)
         if slots:
-            self.active[torch.tensor(slots, device=self.active.device)] = False
+            self.active[to_device(self.active.device, torch.tensor(slots))[0]] = False
         return done
