@@ -135,6 +135,10 @@ def llama8b(compile: bool, new: int = 32) -> dict:
     step_ms = 1000 * out["seconds"] / max(1, out["rounds"] + 1)
     verify_ms = out["stage_ms_per_round"].get("verify", float("nan"))
     weight_bytes = sum(p.numel() * p.element_size() for p in host.model.parameters())
+    # a step reads one row of the input embedding, not all of it (llama-8b's is not tied to the LM head)
+    embedding = host.model.get_input_embeddings().weight
+    tied = embedding.data_ptr() == host.model.get_output_embeddings().weight.data_ptr()
+    read_bytes = weight_bytes - (0 if tied else embedding.numel() * embedding.element_size())
     x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
@@ -148,6 +152,7 @@ def llama8b(compile: bool, new: int = 32) -> dict:
     del x, y, host
     torch.cuda.empty_cache()
     return {"llama8b_step_ms": step_ms, "llama8b_verify_ms": verify_ms, "llama8b_floor_ms": 1000 * weight_bytes / bandwidth,
+            "llama8b_read_floor_ms": 1000 * read_bytes / bandwidth,  # the weights a step reads: a stricter floor
             "llama8b_weight_bytes": weight_bytes, "copy_bandwidth_GBps": bandwidth / 1e9,
             "llama8b_graphs": out["graphs"], "llama8b_warmup_s": out["warmup_s"]}
 
@@ -310,7 +315,9 @@ def table(r: dict) -> str:
         layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"
         lines.append(f"\nrandom llama-8b, C = 1, {layers} layers: plain step {r['llama8b_step_ms']:.2f} ms "
                      f"(verify graph {r['llama8b_verify_ms']:.2f} ms) against a weight-read floor of {r['llama8b_floor_ms']:.2f} ms "
-                     f"({r['llama8b_weight_bytes'] / 1e9:.2f} GB at {r['copy_bandwidth_GBps']:.0f} GB/s)")
+                     f"({r['llama8b_weight_bytes'] / 1e9:.2f} GB at {r['copy_bandwidth_GBps']:.0f} GB/s; the weights "
+                     f"a step reads, the input embedding but one row excluded: "
+                     f"{r.get('llama8b_read_floor_ms', float('nan')):.2f} ms)")
     if "llama8b_step_ms_eager_layers" in r:
         lines.append(f"random llama-8b, C = 1, eager layers: plain step {r['llama8b_step_ms_eager_layers']:.2f} ms "
                      f"(verify graph {r['llama8b_verify_ms_eager_layers']:.2f} ms)")
