@@ -256,8 +256,9 @@ def test_device_ngram_lookup_equals_the_python_rule():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fused_host_layers_equal_the_module_path(kind):
-    """The CUDA step's fused layers (one q|k|v and one gate|up projection, rotary over q and k together) compute
-    what the host's own modules compute; run here on the CPU with fused=True."""
+    """The CUDA step's fused layers (one q|k|v and one gate|up projection, rotary over q and k together and
+    rolled, one-call norms, residuals added in the GEMMs) compute what the host's own modules compute; run here on
+    the CPU with fused=True, in float32 and (to the rounding of one bfloat16 step) in bfloat16."""
     from dspark.engine.host import Host
     from tests.conftest import tiny_model
 
@@ -272,6 +273,13 @@ def test_fused_host_layers_equal_the_module_path(kind):
     torch.testing.assert_close(got.hidden, ref.hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.features, ref.features, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+    # bfloat16: the fused kernels round once where the modules round twice (norm times weight, residual plus GEMM)
+    half = Host(tiny_model(kind).to(torch.bfloat16), name=kind)
+    steps = []
+    for fused in (False, True):
+        cache = half.new_cache(2, 32)
+        steps.append(half.step(cache, tokens, torch.tensor([9, 6]), fused=fused).hidden.float())
+    torch.testing.assert_close(steps[1], steps[0], rtol=0.05, atol=0.05)
 
 
 def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):

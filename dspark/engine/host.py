@@ -47,6 +47,36 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
+def _norm_one_kernel(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Llama-family RMSNorm module applied to x in one call (on CUDA one fused kernel, weight included), for the
+    fused layers. Rounds once where the module rounds twice (normalised x to x's dtype, then times the weight):
+    the same in float32, within a unit of the last place in bfloat16."""
+    if not hasattr(norm, "variance_epsilon"):
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
+
+
+def _rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """rope(x, cos, sin) in three kernels instead of five: rotate_half(x) * sin = roll(x, D/2) * signed_sin, with
+    signed_sin = sin with its first half negated (`_signed_sin`, once per step). x (B, heads, T, D)."""
+    return torch.addcmul(x * cos.unsqueeze(1), x.roll(x.shape[-1] // 2, dims=-1), signed_sin.unsqueeze(1))
+
+
+def _linear_plus(x: torch.Tensor, y: torch.Tensor, linear) -> torch.Tensor:
+    """x + linear(y) for x (B, T, H), y (B, T, I): one GEMM with the residual as its input (addmm) where the
+    projection has no bias. Rounds once where x + linear(y) rounds twice (the same in float32)."""
+    if linear.bias is not None:
+        return x + linear(y)
+    B, T, H = x.shape
+    return torch.addmm(x.reshape(B * T, H), y.reshape(B * T, -1), linear.weight.t()).view(B, T, H)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin (..., D) with its first half negated: rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1, +1]."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 def _bucket(n: int, size: int = 64) -> int:
     """Round n up to a multiple of `size`. why: the eager path attends over a prefix of the cache; bucketing keeps
     the set of shapes small (for kernel caches and later graph capture)."""
@@ -191,11 +221,17 @@ class Host:
                     ~allowed, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, T, W)
         if compiled:
             hidden, tapped = self._compiled_layers().run(self, x, cos, sin, masks, kv, taps)
+        elif fused:
+            tapped, signed_sin = [], _signed_sin(sin)
+            for i, layer in enumerate(self.layers):
+                x = self._fused_layer(i, layer, x, cos, signed_sin, masks[self.windows[i]], kv)
+                if i in taps:
+                    tapped.append(x)
+            hidden = _norm_one_kernel(self.final_norm, x)
         else:
             tapped = []
             for i, layer in enumerate(self.layers):
-                layer_step = self._fused_layer if fused else self._layer
-                x = layer_step(i, layer, x, cos, sin, masks[self.windows[i]], kv)
+                x = self._layer(i, layer, x, cos, sin, masks[self.windows[i]], kv)
                 if i in taps:
                     tapped.append(x)
             hidden = self.final_norm(x)
@@ -228,30 +264,32 @@ class Host:
         x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return x + mlp(_rms_norm(layer.post_attention_layernorm, x))
 
-    def _fused_layer(self, i: int, layer, x, cos, sin, mask, kv) -> torch.Tensor:
-        """The same layer with fewer kernels (CUDA): one q|k|v projection, one gate|up projection, fused RMSNorm
-        and one rotary over q and k together. why: a small host's step is bound by kernel launches (~40 per layer
-        eagerly), not by its weights; a CUDA graph removes launch gaps but not kernels. Same math as _layer up to
-        the rounding of the fused kernels (tests/test_host.py compares both with transformers)."""
-        B, T, _ = x.shape
-        attn, (w_qkv, b_qkv, w_gu) = layer.self_attn, self._fused_weights(i)
+    def _fused_layer(self, i: int, layer, x, cos, signed_sin, mask, kv) -> torch.Tensor:
+        """The same layer with fewer kernels (CUDA): one q|k|v projection, one gate|up projection, each RMSNorm one
+        call with its weight, one rotary over q and k together (rolled: `_rope_rolled`), and the residual adds in the
+        output projections' GEMMs (addmm). why: a small host's step is bound by the number of kernels it launches
+        (~26 per layer before these), not by its weights; a CUDA graph removes launch gaps but not kernels. Same
+        math as _layer up to the rounding of the fused kernels (tests/test_engine.py compares both in float32 and
+        bfloat16). `signed_sin`: the step's sin through _signed_sin."""
+        B, T, H = x.shape
+        attn, mlp, (w_qkv, b_qkv, w_gu) = layer.self_attn, layer.mlp, self._fused_weights(i)
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(_rms_norm(layer.input_layernorm, x), w_qkv, b_qkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = F.linear(_norm_one_kernel(layer.input_layernorm, x), w_qkv, b_qkv).view(B, T, Hq + 2 * Hkv, D)
         qkv = qkv.transpose(1, 2)  # (B, Hq + 2 Hkv, T, D)
         qk, v = qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv:]
         if self.config.model_type == "qwen3":
             qk = torch.cat([attn.q_norm(qk[:, :Hq].transpose(1, 2)).transpose(1, 2),
                             attn.k_norm(qk[:, Hq:].transpose(1, 2)).transpose(1, 2)], dim=1)
-        qk = rope(qk, cos, sin)  # q and k rotated together: one kernel set for both
+        qk = _rope_rolled(qk, cos, signed_sin)  # q and k rotated together
+        keys, values = kv(i, qk[:, Hq:], v)
+        o = F.scaled_dot_product_attention(qk[:, :Hq], keys, values, attn_mask=mask.to(x.dtype),
+                                           scale=attn.scaling, enable_gqa=Hq != Hkv)
+        x = _linear_plus(x, o.transpose(1, 2).reshape(B, T, Hq * D), attn.o_proj)
+        h = _norm_one_kernel(layer.post_attention_layernorm, x)
         if w_gu is None:
-            mlp = layer.mlp
-        else:
-            act = layer.mlp.act_fn
-
-            def mlp(y):
-                gate, up = F.linear(y, w_gu).chunk(2, dim=-1)
-                return layer.mlp.down_proj(act(gate) * up)
-        return self._attend_and_mlp(i, layer, x, qk[:, :Hq], qk[:, Hq:], v, mask, kv, mlp=mlp)
+            return x + mlp(h)
+        gate, up = F.linear(h, w_gu).chunk(2, dim=-1)
+        return _linear_plus(x, mlp.act_fn(gate) * up, mlp.down_proj)
 
     def _compiled_layers(self) -> CompiledLayers:
         """The compiled layer pieces (built on first use, rebuilt when the weights moved device or dtype)."""
