@@ -13,8 +13,8 @@ The seam between layers: layer i's output projection, residual, MLP and residual
 i + 1's input norm, q|k|v projection, q/k norms (Qwen3) and rotary (`_mid`), so a residual add and the next norm are
 one kernel; the last layer's piece ends with the final norm. Left outside the compiled pieces, between them: the
 KV-cache write (an in-place scatter into a view of the whole cache, which compiled code would copy out and back)
-and attention (SDPA, already one kernel). The pieces are compiled per Host and shared by all layers (the weights
-are arguments, the head counts constants of the closure). Shapes: torch.compile's default, static for the first
+and attention (SDPA, one fused kernel with the query heads packed: dspark.engine.attention). The pieces are
+compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure). Shapes: torch.compile's default, static for the first
 step shape and dynamic in the tokens from the second on, so a run over several concurrencies and verify widths
 compiles each piece about twice, not once per shape (on the H200 each compilation costs seconds of warm-up). Only
 decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills run the eager layers.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dspark.engine.attention import grouped_attention, pack_mask
 from dspark.engine.rotary import rope
 
 COMPILE_MAX_T = 16  # widest step that runs compiled by default: verify widths (K + 1 <= 16), not prefills
@@ -102,13 +103,13 @@ class CompiledLayers:
     def run(self, host, x, cos, sin, masks, kv, taps):
         """Every layer on x (B, T, H): (final-normed hidden, the tapped layers' outputs in layer order)."""
         B, T, _ = x.shape
-        n, tapped, gqa = len(host.layers), [], host.num_heads != host.num_kv_heads
+        n, tapped = len(host.layers), []
+        packed = {window: pack_mask(mask, host.num_heads // host.num_kv_heads) for window, mask in masks.items()}
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             q, k, v = self.first(x, cos, sin, *self.pre[0])
             for i, layer in enumerate(host.layers):
                 keys, values = kv(i, k, v)  # (B, Hkv, W, D)
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[host.windows[i]],
-                                                   scale=layer.self_attn.scaling, enable_gqa=gqa)
+                o = grouped_attention(q, keys, values, packed[host.windows[i]], layer.self_attn.scaling)
                 if i + 1 < n:
                     x, q, k, v = self.mid(x, o, cos, sin, self.post[i], self.pre[i + 1])
                     hidden = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dspark.engine.attention import grouped_attention, pack_mask
 from dspark.engine.compiled import COMPILE_MAX_T, CompiledLayers, supported
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.rotary import rope
@@ -222,9 +223,11 @@ class Host:
         if compiled:
             hidden, tapped = self._compiled_layers().run(self, x, cos, sin, masks, kv, taps)
         elif fused:
+            groups = self.num_heads // self.num_kv_heads
+            packed = {window: pack_mask(mask, groups) for window, mask in masks.items()}  # once per step
             tapped, signed_sin = [], _signed_sin(sin)
             for i, layer in enumerate(self.layers):
-                x = self._fused_layer(i, layer, x, cos, signed_sin, masks[self.windows[i]], kv)
+                x = self._fused_layer(i, layer, x, cos, signed_sin, packed[self.windows[i]], kv)
                 if i in taps:
                     tapped.append(x)
             hidden = _norm_one_kernel(self.final_norm, x)
@@ -264,10 +267,11 @@ class Host:
         x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return x + mlp(_rms_norm(layer.post_attention_layernorm, x))
 
-    def _fused_layer(self, i: int, layer, x, cos, signed_sin, mask, kv) -> torch.Tensor:
+    def _fused_layer(self, i: int, layer, x, cos, signed_sin, packed_mask, kv) -> torch.Tensor:
         """The same layer with fewer kernels (CUDA): one q|k|v projection, one gate|up projection, each RMSNorm one
-        call with its weight, one rotary over q and k together (rolled: `_rope_rolled`), and the residual adds in the
-        output projections' GEMMs (addmm). why: a small host's step is bound by the number of kernels it launches
+        call with its weight, one rotary over q and k together (rolled: `_rope_rolled`), grouped query heads packed
+        into one fused attention kernel (dspark.engine.attention; `packed_mask` from pack_mask), and the residual
+        adds in the output projections' GEMMs (addmm). why: a small host's step is bound by the number of kernels it launches
         (~26 per layer before these), not by its weights; a CUDA graph removes launch gaps but not kernels. Same
         math as _layer up to the rounding of the fused kernels (tests/test_engine.py compares both in float32 and
         bfloat16). `signed_sin`: the step's sin through _signed_sin."""
@@ -282,8 +286,7 @@ class Host:
                             attn.k_norm(qk[:, Hq:].transpose(1, 2)).transpose(1, 2)], dim=1)
         qk = _rope_rolled(qk, cos, signed_sin)  # q and k rotated together
         keys, values = kv(i, qk[:, Hq:], v)
-        o = F.scaled_dot_product_attention(qk[:, :Hq], keys, values, attn_mask=mask.to(x.dtype),
-                                           scale=attn.scaling, enable_gqa=Hq != Hkv)
+        o = grouped_attention(qk[:, :Hq], keys, values, packed_mask, attn.scaling)  # (B, Hq, T, D)
         x = _linear_plus(x, o.transpose(1, 2).reshape(B, T, Hq * D), attn.o_proj)
         h = _norm_one_kernel(layer.post_attention_layernorm, x)
         if w_gu is None:

@@ -1,0 +1,34 @@
+"""Attention over a KV cache with grouped query heads, through SDPA's fused kernels.
+
+Shapes: B requests, T query tokens, W key positions, Hq query heads, Hkv key/value heads, g = Hq / Hkv, D head dim.
+
+why not SDPA's own enable_gqa: with an attention mask (every step here has one) SDPA runs grouped heads only in its
+math backend, which expands the keys per query head and runs the scores, mask, softmax and weighting as separate
+kernels; in 2.5-2.11 its fused backends take grouped heads only without a mask. Packing the g query heads of one
+key/value head into its query rows (g * T rows, each with its token's mask row) is the same attention, and a fused
+backend then runs it in one kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pack_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """An additive mask (B, 1, T, W) for queries packed by `grouped_attention`: (B, 1, g * T, W), row j * T + t
+    being token t's row for the j-th query head of a group. Build once per step, not per layer."""
+    if groups == 1:
+        return mask
+    B, _, T, W = mask.shape
+    return mask.unsqueeze(2).expand(B, 1, groups, T, W).reshape(B, 1, groups * T, W)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, packed_mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for q (B, Hq, T, D) against keys, values (B, Hkv, W, D), query head h reading
+    key/value head h // g (as SDPA's enable_gqa); packed_mask from pack_mask. Returns (B, Hq, T, D)."""
+    B, Hq, T, D = q.shape
+    Hkv = keys.shape[1]
+    packed = q.reshape(B, Hkv, (Hq // Hkv) * T, D)  # query head h = kv_head * g + j -> rows j * T + t
+    out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=packed_mask, scale=scale)
+    return out.view(B, Hq, T, D)
