@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers.activations import ACT2FN
 
+from dspark.engine.attention import grouped_attention, pack_mask
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.rotary import rope
 
@@ -164,6 +165,9 @@ class InjectionLayer(nn.Module):
         if isinstance(mask, BlockMask):  # sparse training mask: the same keys allowed, masked tiles skipped
             o = _flex_attention(q.device.type)(q, k, v, block_mask=mask, scale=shape.head_dim ** -0.5,
                                                enable_gqa=gqa)
+        elif gqa and not torch.is_grad_enabled():  # decoding: one fused kernel (dspark.engine.attention)
+            groups = shape.num_heads // shape.num_kv_heads
+            o = grouped_attention(q, k, v, pack_mask(mask.to(q.dtype), groups), shape.head_dim ** -0.5)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=shape.head_dim ** -0.5,
                                                enable_gqa=gqa)

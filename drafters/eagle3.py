@@ -42,6 +42,7 @@ from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import checkpointed_chunks, chunk_rows, per_position_mean, weight_total, weighted_mean
+from dspark.engine.attention import grouped_attention, pack_mask
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -170,9 +171,11 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         key_pos = torch.arange(self.cache.max_len, device=positions.device)  # (W,)
         allowed = key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)  # (B, T, W)
         shape = self.layer.shape
-        attended = F.scaled_dot_product_attention(
-            q, self.cache.k[0], self.cache.v[0], attn_mask=allowed.unsqueeze(1), scale=shape.head_dim ** -0.5,
-            enable_gqa=shape.num_heads != shape.num_kv_heads)  # (B, N, T, D)
+        # grouped query heads packed into one fused kernel (dspark.engine.attention: enable_gqa with a mask would
+        # run SDPA's math backend)
+        groups = shape.num_heads // shape.num_kv_heads
+        attended = grouped_attention(q, self.cache.k[0], self.cache.v[0], pack_mask(allowed.unsqueeze(1), groups),
+                                     shape.head_dim ** -0.5)  # (B, N, T, D)
         return self.layer.finish(g, attended)
 
     @torch.no_grad()
