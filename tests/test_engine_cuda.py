@@ -181,3 +181,23 @@ def test_admission_and_retirement_wait_on_nothing_the_device_runs(cuda_host, nam
     expected = alone.admit([0, 1], requests[:2])
     assert first.cpu().tolist() == expected.cpu().tolist()
     assert first[:, 1].all()  # finite prefill logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_attention_runs_without_the_math_backend(dtype):
+    """The fused host layers' masked grouped-query attention (dspark.engine.attention) runs in SDPA's fused
+    kernels: with the math backend disallowed the step still runs (SDPA's own enable_gqa with a mask would not),
+    and it equals the step through the host's modules."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.conftest import tiny_model
+
+    host = Host(tiny_model("llama").to(device="cuda", dtype=dtype), name="tiny-llama-cuda")
+    assert host.num_heads > host.num_kv_heads  # grouped
+    tokens = torch.tensor(random_prompts([9, 9], host.vocab_size, seed=4), device="cuda")
+    cache = host.new_cache(2, 64)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        got = host.step(cache, tokens, torch.tensor([9, 6], device="cuda"), fused=True).hidden
+    want = host.step(host.new_cache(2, 64), tokens, torch.tensor([9, 6], device="cuda"), fused=False).hidden
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
