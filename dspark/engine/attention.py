@@ -5,9 +5,9 @@ Shapes: B requests, T query tokens, W key positions, Hq query heads, Hkv key/val
 why not SDPA's own enable_gqa: with an attention mask (every step here has one) SDPA runs grouped heads only in its
 math backend, which expands the keys per query head and runs the scores, mask, softmax and weighting as separate
 kernels (its flash backend, the one that takes grouped heads natively, takes no mask; reported through 2026, e.g.
-pytorch/pytorch#139586, huggingface/transformers#39412). Packing the g query heads of one
-key/value head into its query rows (g * T rows, each with its token's mask row) is the same attention, and a fused
-backend then runs it in one kernel.
+pytorch/pytorch#139586, huggingface/transformers#39412). Packing the g query heads of one key/value head into its
+query rows (g * T rows, each with its token's mask row) is the same attention, and a fused backend then runs it in
+one kernel (tests/test_engine_cuda.py runs it with the math backend disallowed).
 """
 from __future__ import annotations
 
