@@ -21,15 +21,17 @@
 # 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
 # HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings;
-# TESTS the test files of the tests phase; HOST8B and SPS_MODE the sps8b host and timing mode (a CPU dry run:
-# HOST8B=random:tiny-llama SPS_MODE=eager).
+# TESTS the test files of the tests phase; SPEED_COMPILE (on, off, default both) speed.py's --compile; HOST8B and
+# SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager).
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
 # CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm); without it they are
 # random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
-# COMPILE=1 adds --compile to the validate and concurrency phases (decide from speed.json's two plain rows). The first phase of a fresh machine converts the
-# staged GGUF into $DSPARK_CACHE (about 20 s), which later phases reuse while the machine stays warm.
+# COMPILE=1 adds --compile to the validate and concurrency phases (decide from speed.json's two plain rows). The
+# first phase of a fresh machine converts the staged GGUF into $DSPARK_CACHE (about 20 s), which later phases
+# reuse while the machine stays warm. Staging for these phases: `python ../shared/stage_offline.py --no-data
+# --chunk-mib 47` (two chunks, each under the 64 MiB carry with the working tree).
 set -euo pipefail
 OUT=${OUT:?set OUT}
 PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency, sps8b or train}
@@ -57,11 +59,11 @@ case "$phase" in
     python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_cuda.py tests/test_compiled.py tests/test_prefill.py} 2>&1 \
       | tee "$OUT/engine_cuda_tests.log" || true ;;  # a failure is in the log; the call's later phases still run
   speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
-    python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile both ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
+    python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile "${SPEED_COMPILE:-both}" ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
       --skip-llama8b --out-dir /tmp/speedrun || true
     cp /tmp/speedrun/speed*.json "$OUT"/ ;;
   llama8b)
-    python3 benchmarks/speed.py --only-llama8b --compile both --out-dir /tmp/speedrun
+    python3 benchmarks/speed.py --only-llama8b --compile "${SPEED_COMPILE:-both}" --out-dir /tmp/speedrun
     cp /tmp/speedrun/speed*.json "$OUT"/ ;;
   validate)  # ~7 decodes per C (traces, plain, 2 drafters x 2 policies)
     python3 -m experiments simulator_validation --host "${HOST:-smollm2}" "${compile[@]}" --drafters ngram dspark \
