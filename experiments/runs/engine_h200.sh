@@ -30,8 +30,9 @@
 # random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
 # COMPILE=1 adds --compile to the validate and concurrency phases (decide from speed.json's two plain rows). The
 # first phase of a fresh machine converts the staged GGUF into $DSPARK_CACHE (about 20 s), which later phases
-# reuse while the machine stays warm. Staging for these phases: `python ../shared/stage_offline.py --no-data
-# --chunk-mib 47` (two chunks, each under the 64 MiB carry with the working tree).
+# reuse while the machine stays warm. Staging for tests, train, speed and llama8b: `python ../shared/stage_offline.py
+# --no-data --chunk-mib 47` (two chunks, each under the 64 MiB carry with the working tree); validate and
+# concurrency read ShareGPT prompts (the default staging, three chunks).
 set -euo pipefail
 OUT=${OUT:?set OUT}
 PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency, sps8b or train}
