@@ -14,9 +14,9 @@ i + 1's input norm, q|k|v projection, q/k norms (Qwen3) and rotary (`_mid`), so 
 one kernel; the last layer's piece ends with the final norm. Left outside the compiled pieces, between them: the
 KV-cache write (an in-place scatter into a view of the whole cache, which compiled code would copy out and back)
 and attention (SDPA, one fused kernel with the query heads packed: dspark.engine.attention). The pieces are
-compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure). Shapes: torch.compile's default, static for the first
-step shape and dynamic in the tokens from the second on, so a run over several concurrencies and verify widths
-compiles each piece about twice, not once per shape (on the H200 each compilation costs seconds of warm-up). Only
+compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure).
+Shapes: torch.compile's default, static for the first step shape and dynamic in the tokens from the second on, so a
+run over several concurrencies and verify widths compiles each piece about twice, not once per shape (on the H200 each compilation costs seconds of warm-up). Only
 decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills run the eager layers.
 
 It pays under CUDA graphs (the slot engine's default on CUDA), where the pieces run only while a round is captured;
