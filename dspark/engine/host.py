@@ -272,9 +272,9 @@ class Host:
         call with its weight, one rotary over q and k together (rolled: `_rope_rolled`), grouped query heads packed
         into one fused attention kernel (dspark.engine.attention; `packed_mask` from pack_mask), and the residual
         adds in the output projections' GEMMs (addmm). why: a small host's step is bound by the number of kernels
-        it launches (~26 per layer before these, by count), not by its weights; a CUDA graph removes launch gaps but not kernels. Same
-        math as _layer up to the rounding of the fused kernels (tests/test_engine.py compares both in float32 and
-        bfloat16). `signed_sin`: the step's sin through _signed_sin."""
+        it launches (~26 per layer before these, by count), not by its weights; a CUDA graph removes launch gaps but
+        not kernels. Same math as _layer up to the rounding of the fused kernels (tests/test_engine.py compares both
+        in float32 and bfloat16). `signed_sin`: the step's sin through _signed_sin."""
         B, T, _ = x.shape
         attn, mlp, (w_qkv, b_qkv, w_gu) = layer.self_attn, layer.mlp, self._fused_weights(i)
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
