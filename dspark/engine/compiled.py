@@ -16,8 +16,9 @@ KV-cache write (an in-place scatter into a view of the whole cache, which compil
 and attention (SDPA, one fused kernel with the query heads packed: dspark.engine.attention). The pieces are
 compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure).
 Shapes: torch.compile's default, static for the first step shape and dynamic in the tokens from the second on, so a
-run over several concurrencies and verify widths compiles each piece about twice, not once per shape (on the H200 each compilation costs seconds of warm-up). Only
-decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a prefill); prefills run the eager layers.
+run over several concurrencies and verify widths compiles each piece about twice, not once per shape (on the H200
+each compilation costs seconds of warm-up). Only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a
+prefill); prefills run the eager layers.
 
 It pays under CUDA graphs (the slot engine's default on CUDA), where the pieces run only while a round is captured;
 called eagerly, every piece also pays dynamo's guard check per call (three per layer).
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark.engine.attention import grouped_attention, pack_mask
+from dspark.engine.attention import grouped_attention
 from dspark.engine.rotary import rope
 
 COMPILE_MAX_T = 16  # widest step that runs compiled by default: verify widths (K + 1 <= 16), not prefills
@@ -100,11 +101,11 @@ class CompiledLayers:
         weight = host.layers[0].self_attn.q_proj.weight
         self.key = (weight.device, weight.dtype)  # the device and dtype the weights were gathered at
 
-    def run(self, host, x, cos, sin, masks, kv, taps):
-        """Every layer on x (B, T, H): (final-normed hidden, the tapped layers' outputs in layer order)."""
+    def run(self, host, x, cos, sin, packed, kv, taps):
+        """Every layer on x (B, T, H): (final-normed hidden, the tapped layers' outputs in layer order). packed:
+        each attention window's mask through attention.pack_mask."""
         B, T, _ = x.shape
         n, tapped = len(host.layers), []
-        packed = {window: pack_mask(mask, host.num_heads // host.num_kv_heads) for window, mask in masks.items()}
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             q, k, v = self.first(x, cos, sin, *self.pre[0])
             for i, layer in enumerate(host.layers):

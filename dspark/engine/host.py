@@ -220,11 +220,12 @@ class Host:
                 # every query attends at least to its own position
                 masks[window] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
                     ~allowed, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, T, W)
-        if compiled:
-            hidden, tapped = self._compiled_layers().run(self, x, cos, sin, masks, kv, taps)
-        elif fused:
+        if compiled or fused:  # both attend through dspark.engine.attention: masks packed once per step
             groups = self.num_heads // self.num_kv_heads
-            packed = {window: pack_mask(mask, groups) for window, mask in masks.items()}  # once per step
+            packed = {window: pack_mask(mask, groups) for window, mask in masks.items()}
+        if compiled:
+            hidden, tapped = self._compiled_layers().run(self, x, cos, sin, packed, kv, taps)
+        elif fused:
             tapped, signed_sin = [], _signed_sin(sin)
             for i, layer in enumerate(self.layers):
                 x = self._fused_layer(i, layer, x, cos, signed_sin, packed[self.windows[i]], kv)

@@ -225,7 +225,6 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
             stats.rounds += 1
         pending = launched
         busy += time.perf_counter() - start
-    _first_tokens(slots, arriving, sink)  # none left by now (a round holding them was committed): kept for safety
     # widths and prefill shapes are captured as they are first used
     stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
     stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
