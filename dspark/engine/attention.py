@@ -32,4 +32,4 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     Hkv = keys.shape[1]
     packed = q.reshape(B, Hkv, (Hq // Hkv) * T, D)  # query head h = kv_head * g + j -> rows j * T + t
     out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=packed_mask, scale=scale)
-    return out.view(B, Hq, T, D)
+    return out.reshape(B, Hq, T, D)  # CUDA kernels may return another layout (not viewable)

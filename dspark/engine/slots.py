@@ -128,7 +128,7 @@ class Slots:
         for full, part in ((self.state.seq, seq), (self.state.seq_len, sub.seq_len), (self.state.seeds, seeds),
                            (self.state.rounds, sub.rounds), (self.remaining, remaining)):
             put_rows(full, rows, part)
-        self.active[rows] = True
+        self.active.index_fill_(0, rows, True)  # why not active[rows] = True: that copies the value from the CPU
         for s, r in zip(slots, requests):
             self.request[s] = r
             self.remaining_cpu[s], self.cache_len[s], self.rounds_cpu[s] = r.limit, len(r.prompt), 0
@@ -156,5 +156,5 @@ class Slots:
             self.request[s] = None
         self.busy -= len(slots)
         if slots:
-            self.active[to_device(self.active.device, torch.tensor(slots))[0]] = False
+            self.active.index_fill_(0, to_device(self.active.device, torch.tensor(slots))[0], False)
         return done
