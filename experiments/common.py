@@ -280,8 +280,14 @@ def sampling_config(temperature: float) -> SamplingConfig:
     return SamplingConfig(temperature=temperature)
 
 
+def is_plain(row: dict) -> bool:
+    """Plain decoding's row: "plain", or "plain@<trace>" where a replay prices plain decoding per trace."""
+    return row["method"] == "plain" or row["method"].startswith("plain@")
+
+
 def setting_key(row: dict) -> str:
-    """A setting's name across concurrencies: method/policy/gamma (plain decoding: "plain")."""
-    if row["method"] == "plain":
-        return "plain"
+    """A setting's name across concurrencies: method/policy/gamma (plain decoding: its method, "plain" or
+    "plain@<trace>")."""
+    if is_plain(row):
+        return row["method"]
     return f"{row['method']}/{row['policy']}/γ{row['draft_length']}"

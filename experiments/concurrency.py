@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, check_settings, cost_table,
-                                drafter_path, envelope, figure, load_prompts, plot_log_x, result_row, sampling_config,
-                                setting_key, trained_length, write_result)
+                                drafter_path, envelope, figure, is_plain, load_prompts, plot_log_x, result_row,
+                                sampling_config, setting_key, trained_length, write_result)
 
 
 @dataclass
@@ -91,11 +91,13 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
 
 
 def add_speedup(rows: list[dict]) -> None:
-    """rows[i]["speedup"] = tokens/s over plain decoding's at the same concurrency; rows[i]["pareto"] marks the
-    rows no other row beats on both tokens/s and per-request tokens/s."""
-    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "plain"}
+    """rows[i]["speedup"] = tokens/s over plain decoding's at the same concurrency (and, for replayed rows, on the
+    same trace: the same requests); rows[i]["pareto"] marks the rows no other row beats on both tokens/s and
+    per-request tokens/s."""
+    plain = {(r.get("trace"), r["concurrency"]): r["tokens_per_s"] for r in rows if is_plain(r)}
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / plain[r["concurrency"]] if plain.get(r["concurrency"]) else float("nan")
+        base = plain.get((r.get("trace"), r["concurrency"]))
+        r["speedup"] = r["tokens_per_s"] / base if base else float("nan")
     for r in rows:
         r["pareto"] = not any(o["tokens_per_s"] >= r["tokens_per_s"]
                               and o["per_request_tokens_per_s"] >= r["per_request_tokens_per_s"]
@@ -110,7 +112,7 @@ def break_even(rows: list[dict]) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     settings: dict[str, list[dict]] = {}
     for r in rows:
-        if r["method"] != "plain":
+        if not is_plain(r):
             settings.setdefault(setting_key(r), []).append(r)
     for key, points in settings.items():
         crossing = None
@@ -163,7 +165,7 @@ def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path
     ax = axes[0, 0]
     for key, points in series.items():
         ax.plot([r["concurrency"] for r in points], [r["tokens_per_s"] for r in points], marker="o", ms=3,
-                label=key, **({"color": "k", "ls": "--"} if key == "plain" else {}))
+                label=key, **({"color": "k", "ls": "--"} if key.startswith("plain") else {}))
     plot_log_x(ax, Cs)
     ax.set(yscale="log", xlabel="concurrency C", ylabel="tokens/s (all requests)", title="throughput")
     ax.legend(fontsize=6)
@@ -174,7 +176,7 @@ def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path
     ax = axes[0, 0]
     for key, points in series.items():
         ax.plot([r["per_request_tokens_per_s"] for r in points], [r["tokens_per_s"] for r in points], marker="o",
-                ms=3, label=key, **({"color": "k", "ls": "--"} if key == "plain" else {}))
+                ms=3, label=key, **({"color": "k", "ls": "--"} if key.startswith("plain") else {}))
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["per_request_tokens_per_s"])
     ax.plot([r["per_request_tokens_per_s"] for r in front], [r["tokens_per_s"] for r in front], color="0.6", lw=4,
             alpha=0.4, label="Pareto front")
@@ -187,7 +189,7 @@ def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path
     fig, axes = figure(6.5, 4.2)
     ax = axes[0, 0]
     for key, points in series.items():
-        if key != "plain":
+        if not key.startswith("plain"):
             ax.plot([r["concurrency"] for r in points], [r["verified_per_round"] for r in points], marker="o", ms=3,
                     label=key)
     plot_log_x(ax, Cs)

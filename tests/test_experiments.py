@@ -313,6 +313,32 @@ def test_simulator_replays_the_draft_gate():
     assert gated["tokens_per_s"] > 0.95 * plain["tokens_per_s"]
 
 
+def test_simulator_prices_plain_decoding_on_each_traces_own_requests(tmp_path):
+    """With several traces, each speed-up is over plain decoding of the same requests: a trace of short requests
+    and one of long ones drain a closed loop differently, so one shared plain row would mis-state both."""
+    from pathlib import Path
+
+    from experiments.simulator import SimulateOptions, run
+
+    paths = []
+    for name, lengths in (("short", (2, 30)), ("long", (40, 40))):  # the first drains at 1 in flight, not the second
+        trace = _trace([0] * 40, None, new_tokens=lengths[0], n=1)  # nothing accepted: full loses to plain
+        trace["requests"].append(dict(trace["requests"][0], new_tokens=lengths[1]))
+        paths.append(tmp_path / f"trace_{name}.json")
+        paths[-1].write_text(json.dumps(trace))
+    cost = CostModel.from_points({1: 100.0, 4: 90.0, 16: 50.0, 64: 20.0})
+    rows = run(SimulateOptions(traces=[str(p) for p in paths], policies=["full"], concurrency=[1, 4]), cost)
+    for r in rows:  # as main names them
+        r["method"] = f"{r['method']}@{Path(r['trace']).stem}"
+    add_speedup(rows)
+    plain = {(r["trace"], r["concurrency"]): r for r in rows if r["method"].startswith("plain@")}
+    assert len(plain) == 4  # one plain row per trace and C
+    assert plain[(str(paths[0]), 4)]["tokens_per_s"] != pytest.approx(plain[(str(paths[1]), 4)]["tokens_per_s"])
+    for r in rows:
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain[(r["trace"], r["concurrency"])]["tokens_per_s"])
+    assert set(break_even(rows)) == {"hand@trace_short/full/γ3", "hand@trace_long/full/γ3"}
+
+
 def test_simulator_slot_pricing_and_machine_constants():
     """Slot pricing: every one of the C slots carries the bucketed longest width, idle or not; the step overhead
     adds to every step and the admission time to every step that admits."""
