@@ -80,6 +80,17 @@ def test_a_streak_is_smoothed_one_bad_round_does_not_stop_it():
     assert drafted_rounds(gate_with(0.0), lambda r: 1 if r == 5 else 3) == list(range(40))
 
 
+def test_a_round_that_verified_nothing_for_free_is_no_evidence():
+    """A free drafter that proposed nothing (an n-gram drafter without a match: width 0) neither pays nor costs: the
+    gate keeps drafting; a drafter with a cost of its own is still judged on such a round (it spent its step)."""
+    for draft_ms, expect in ((0.0, [True] * 10), (1.0, [True, False])):
+        gate, seen = gate_with(draft_ms), []
+        for _ in range(len(expect)):
+            seen.append(gate.draft_next())
+            gate.after_round(slots=4, rows=4, width=0, drafted=seen[-1], committed=4)
+        assert seen == expect
+
+
 def test_a_missing_or_foreign_draft_cost_warns(tiny_host):
     cost = CostModel.flat(100.0)
     cost.draft["dspark/K4/1"] = {"batch_sizes": [1], "seconds": [0.001]}

@@ -179,6 +179,8 @@ class DraftGate:
         draft_s = self.fixed_draft_s
         if draft_s is None and self.key is not None:
             draft_s = getattr(self.cost, "draft_seconds", lambda *_: None)(self.key, slots)
+        if width == 0 and not draft_s:  # nothing verified, nothing spent (an n-gram drafter without a match):
+            return  # no evidence either way; judged as a failed probe, it would gate off a free drafter for nothing
         plain, spent = self._seconds(slots), self._seconds(slots * (width + 1)) + (draft_s or 0.0)
         gain = (committed / rows) * plain / spent
         fresh = self.gain is None or self.probing
