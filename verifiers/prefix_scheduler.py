@@ -125,7 +125,11 @@ class DraftGate:
     a round that cost t_v(R·(L + 1)) + t_d(R): the verify forward at its width L over the R rows of the forward,
     plus the drafter's own step, both from the cost table (`CostModel.draft`, from `profile_draft`). Plain decoding
     would have committed one token per live row in t_v(R). So gain = (c / rows)·t_v(R) / (t_v(R·(L + 1)) + t_d(R)),
-    smoothed over a streak of drafted rounds (exponential moving average, weight `smoothing` on the newest).
+    smoothed over a streak of drafted rounds (exponential moving average, weight `smoothing` on the newest; the
+    default 0.1, about ten rounds of memory, because acceptance comes in bursts: with 0.3 a run of a few rejected
+    rounds stopped an n-gram drafter that paid 1.5x on average; chosen on the replayed SmolLM2 n-gram traces priced
+    with the llama-8b table, benchmarks/RESULTS.md, where 0.3 / 0.1 / 0.05 were compared; a drafter that never pays
+    is still stopped by its first round, since a streak starts from that round alone).
     While gain <= 1, the next rounds are plain: no draft forward, nothing verified. Then one round drafts again as
     a probe and is judged on its own; a probe that pays resumes drafting every round. The wait after a failure is
     the longer of two: one that doubles with each failed probe (1, 2, 4, ... up to `max_wait` rounds), and the
@@ -139,7 +143,7 @@ class DraftGate:
     confidences, so it needs no calibration and works for drafters without a confidence head.
     """
 
-    def __init__(self, cost: SPS, *, smoothing: float = 0.3, max_wait: int = 64, probe_budget: float = 0.01) -> None:
+    def __init__(self, cost: SPS, *, smoothing: float = 0.1, max_wait: int = 64, probe_budget: float = 0.01) -> None:
         if not 0.0 < smoothing <= 1.0 or max_wait < 1 or not 0.0 < probe_budget <= 1.0:
             raise ValueError(f"need 0 < smoothing <= 1, max_wait >= 1 and 0 < probe_budget <= 1, got {smoothing}, "
                              f"{max_wait}, {probe_budget}")
