@@ -26,7 +26,8 @@
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
-# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm); without it they are
+# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm; the timing phases first wait, up to
+# TRAIN_GUARD_S = 300 s, for a training PHASE=train left running, else write contended.txt); without it they are
 # random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
 # COMPILE=1 adds --compile to the validate and concurrency phases (decide from speed.json's two plain rows). The
 # first phase of a fresh machine converts the staged GGUF into $DSPARK_CACHE (about 20 s), which later phases
@@ -54,7 +55,37 @@ if [ -n "${CHECKPOINTS:-}" ]; then
 fi
 compile=()
 if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
+# why: PHASE=train leaves its trainings running detached when the call's limit comes first, and a timing phase that
+# shares the GPU with one measures the contention (it happened once: that run is labelled contended in RESULTS)
+training_alive() {
+  python3 - <<'PY'
+import json, os, sys
+path = "/tmp/dspark-run/train_pids.json"
+pids = json.load(open(path)) if os.path.exists(path) else {}
+alive = []
+for name, entry in pids.items():
+    try:
+        os.kill(entry["pid"], 0)
+        alive.append(name)
+    except OSError:
+        pass
+print(" ".join(alive))
+sys.exit(0 if alive else 1)
+PY
+}
+wait_for_training() {  # up to TRAIN_GUARD_S (default 300) seconds; then the phase runs, marked contended
+  local waited=0 names
+  while names=$(training_alive); do
+    if [ "$waited" -ge "${TRAIN_GUARD_S:-300}" ]; then
+      echo "CONTENDED: training ($names) still runs on this GPU; $1's timings share it" | tee -a "$OUT/contended.txt" >&2
+      return
+    fi
+    echo "waiting for training ($names) to finish before $1 (${waited}s)" >&2
+    sleep 10; waited=$((waited + 10))
+  done
+}
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
+case "$phase" in speed|llama8b|validate|concurrency|sps8b) wait_for_training "$phase" ;; esac
 case "$phase" in
   tests)
     python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_cuda.py tests/test_compiled.py tests/test_prefill.py} 2>&1 \
