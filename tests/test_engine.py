@@ -400,3 +400,33 @@ def test_generate_takes_overlap(tiny_host):
     assert runs[True].token_ids == runs[False].token_ids == runs[None].token_ids
     with pytest.raises(ValueError, match="overlap"):
         generate(tiny_host, prompts, overlap=True, engine="eager")
+
+
+def test_stage_timer_leaves_out_rounds_that_captured(monkeypatch):
+    """A round that captured a graph (its warm-up and capture run inside it) is dropped from the stage sums, and the
+    sums cover the rounds timed (StageTimer.rounds), so a capture never shows as a stage's time."""
+    from dspark.engine.graphs import StageTimer
+
+    clock = iter(range(1000))
+
+    class FakeEvent:  # elapsed_time in ms, as CUDA events give it; each record is one ms after the last
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            self.t = next(clock)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = StageTimer(True)
+    for captured in (False, True, False):
+        timer.mark(start=True)
+        if captured:
+            timer.discard()
+        for _ in StageTimer.STAGES:
+            timer.mark()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert timer.rounds == 2
+    assert timer.seconds() == {"draft": 0.004, "verify": 0.002, "accept": 0.002}  # lookahead counts as draft

@@ -67,7 +67,7 @@ class EagerRound:
         """One round: (packed output, draft, L the drafts per row of its verify forward); drafting False is a plain
         round (no draft forward, nothing verified). `ahead`: the longest length of the draft proposed at the end of
         the last round (its copy's AHEAD column), which this round then verifies; None = propose now."""
-        self.timer.mark()
+        self.timer.mark(start=True)
         if not drafting:
             draft, L = no_draft(self.slots, self.K), 0
         elif ahead is not None:
@@ -160,7 +160,7 @@ class GraphRound:
 
     def __call__(self, drafting: bool = True, ahead: int | None = None) -> tuple[torch.Tensor, Draft, int]:
         """As EagerRound.__call__; with `ahead` the buffers already hold this round's draft (lookahead)."""
-        self.timer.mark()
+        self.timer.mark(start=True)
         if not drafting:  # a plain round: the width-0 graphs over a draft that proposes nothing
             no_draft(self.slots, self.K, self.draft)
             L = 0
@@ -171,6 +171,7 @@ class GraphRound:
             L = drafts_to_verify(self.slots, self.verifier, self.draft, self.K)
         if L not in self.widths:
             self._capture(L)
+            self.timer.discard()
         g_verify, g_accept, out, _ = self.widths[L]
         self.timer.mark()
         _replay(g_verify)
@@ -235,18 +236,32 @@ def _side_stream():
 
 class StageTimer:
     """CUDA events at the stage boundaries of every round; `seconds()` sums draft / verify / accept at the end (the
-    next round's draft made at the end of a round, lookahead, counts as draft)."""
+    next round's draft made at the end of a round, lookahead, counts as draft) over the `rounds` it timed: a round
+    that captured a graph is left out (`discard`), its capture is warm-up, not a stage."""
 
     STAGES = ("draft", "verify", "accept", "lookahead")
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled, self.events = enabled, []
+        self.enabled, self.events, self.skipping = enabled, [], False
 
-    def mark(self) -> None:
-        if self.enabled:
+    @property
+    def rounds(self) -> int:
+        return len(self.events) // (len(self.STAGES) + 1)
+
+    def mark(self, start: bool = False) -> None:
+        """An event at a stage boundary; `start` opens a round (and ends the skipping of a discarded one)."""
+        if start:
+            self.skipping = False
+        if self.enabled and not self.skipping:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
+
+    def discard(self) -> None:
+        """Leave this round out: drop its events so far and record none until the next round starts."""
+        if self.enabled and not self.skipping:
+            del self.events[len(self.events) - len(self.events) % (len(self.STAGES) + 1):]
+        self.skipping = True
 
     def seconds(self) -> dict[str, float]:
         if not self.events:

@@ -229,7 +229,8 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
     stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
     stats.stage_s = runner.timer.seconds()
-    if stats.stage_s:
+    if stats.stage_s and runner.timer.rounds:  # the timed rounds' mean over every round (captures left out)
+        stats.stage_s = {k: v * stats.rounds / runner.timer.rounds for k, v in stats.stage_s.items()}
         captured = stats.warmup_s - captured
         stats.stage_s["bookkeeping"] = max(0.0, busy - captured - sum(stats.stage_s.values()))
     return stats

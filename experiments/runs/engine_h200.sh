@@ -109,7 +109,7 @@ case "$phase" in
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
-    ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-540} RUN=/tmp/dspark-run \
+    ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-480} RUN=/tmp/dspark-run \
       REGEN_FROM=experiments/data/sharegpt_smollm2_regen.jsonl.gz \
       python3 experiments/runs/smollm2_h200.py prepare regenerate train
     for d in /tmp/dspark-run/*/metrics.jsonl; do
