@@ -165,7 +165,7 @@ def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path
     ax = axes[0, 0]
     for key, points in series.items():
         ax.plot([r["concurrency"] for r in points], [r["tokens_per_s"] for r in points], marker="o", ms=3,
-                label=key, **({"color": "k", "ls": "--"} if key.startswith("plain") else {}))
+                label=key, **({"color": "k", "ls": "--"} if is_plain(points[0]) else {}))
     plot_log_x(ax, Cs)
     ax.set(yscale="log", xlabel="concurrency C", ylabel="tokens/s (all requests)", title="throughput")
     ax.legend(fontsize=6)
@@ -176,7 +176,7 @@ def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path
     ax = axes[0, 0]
     for key, points in series.items():
         ax.plot([r["per_request_tokens_per_s"] for r in points], [r["tokens_per_s"] for r in points], marker="o",
-                ms=3, label=key, **({"color": "k", "ls": "--"} if key.startswith("plain") else {}))
+                ms=3, label=key, **({"color": "k", "ls": "--"} if is_plain(points[0]) else {}))
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["per_request_tokens_per_s"])
     ax.plot([r["per_request_tokens_per_s"] for r in front], [r["tokens_per_s"] for r in front], color="0.6", lw=4,
             alpha=0.4, label="Pareto front")
@@ -189,7 +189,7 @@ def plot(rows: list[dict], out: Path, *, stem: str = "concurrency") -> list[Path
     fig, axes = figure(6.5, 4.2)
     ax = axes[0, 0]
     for key, points in series.items():
-        if not key.startswith("plain"):
+        if not is_plain(points[0]):
             ax.plot([r["concurrency"] for r in points], [r["verified_per_round"] for r in points], marker="o", ms=3,
                     label=key)
     plot_log_x(ax, Cs)

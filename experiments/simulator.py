@@ -251,6 +251,13 @@ def run(opts: SimulateOptions, cost) -> list[dict]:
     return rows
 
 
+def name_by_trace(rows: list[dict]) -> None:
+    """Each row's method gets its trace's name, "<method>@<trace stem>", plain decoding too ("plain@<trace>": one
+    baseline per trace), so that settings of several traces stay apart."""
+    for r in rows:
+        r["method"] = f"{r['method']}@{Path(r['trace']).stem}"
+
+
 def render(doc: dict, out: Path) -> Section:
     from experiments.concurrency import render as render_concurrency
 
@@ -280,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run(opts, cost)
     if len(opts.traces) > 1:  # one break-even per trace: name settings by trace too
-        for r in rows:
-            r["method"] = f"{r['method']}@{Path(r['trace']).stem}"  # plain too: "plain@<trace>", one per trace
+        name_by_trace(rows)
     add_speedup(rows)
     doc = {"experiment": "simulate", "command": "dspark experiment simulate " + " ".join(argv),
            "environment": environment(torch.device("cpu")), "host": cost.host, "settings": to_dict(opts),

@@ -316,9 +316,7 @@ def test_simulator_replays_the_draft_gate():
 def test_simulator_prices_plain_decoding_on_each_traces_own_requests(tmp_path):
     """With several traces, each speed-up is over plain decoding of the same requests: a trace of short requests
     and one of long ones drain a closed loop differently, so one shared plain row would mis-state both."""
-    from pathlib import Path
-
-    from experiments.simulator import SimulateOptions, run
+    from experiments.simulator import SimulateOptions, name_by_trace, run
 
     paths = []
     for name, lengths in (("short", (2, 30)), ("long", (40, 40))):  # the first drains at 1 in flight, not the second
@@ -328,8 +326,7 @@ def test_simulator_prices_plain_decoding_on_each_traces_own_requests(tmp_path):
         paths[-1].write_text(json.dumps(trace))
     cost = CostModel.from_points({1: 100.0, 4: 90.0, 16: 50.0, 64: 20.0})
     rows = run(SimulateOptions(traces=[str(p) for p in paths], policies=["full"], concurrency=[1, 4]), cost)
-    for r in rows:  # as main names them
-        r["method"] = f"{r['method']}@{Path(r['trace']).stem}"
+    name_by_trace(rows)  # as main does with several traces
     add_speedup(rows)
     plain = {(r["trace"], r["concurrency"]): r for r in rows if r["method"].startswith("plain@")}
     assert len(plain) == 4  # one plain row per trace and C

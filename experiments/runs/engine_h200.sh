@@ -59,16 +59,12 @@ if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
 # shares the GPU with one measures the contention (it happened once: that run is labelled contended in RESULTS)
 training_alive() {
   python3 - <<'PY'
-import json, os, sys
-path = "/tmp/dspark-run/train_pids.json"
-pids = json.load(open(path)) if os.path.exists(path) else {}
-alive = []
-for name, entry in pids.items():
-    try:
-        os.kill(entry["pid"], 0)
-        alive.append(name)
-    except OSError:
-        pass
+import json, sys
+from pathlib import Path
+from experiments.runs.smollm2_h200 import _alive  # the driver's own test (a zombie is not alive)
+path = Path("/tmp/dspark-run/train_pids.json")  # PHASE=train's RUN
+pids = json.loads(path.read_text()) if path.exists() else {}
+alive = [name for name, entry in pids.items() if _alive(entry["pid"])]
 print(" ".join(alive))
 sys.exit(0 if alive else 1)
 PY
