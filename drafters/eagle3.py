@@ -201,10 +201,13 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
                 position = position + 1
                 g = self._cached_step(g.unsqueeze(1), tokens[-1].unsqueeze(1), position.unsqueeze(1))[:, 0]
             logits = self._logits(g)  # (B, V)
-            q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
+            if state.sampling.greedy:  # q: the point mass on the token, which Proposal.q = None states
+                token = logits.argmax(-1)
+            else:
+                q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
+                qs.append(q)
             tokens.append(token)
-            qs.append(q)
-        return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1))  # (B, K), (B, K, V)
+        return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1) if qs else None)  # (B, K), (B, K, V)
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)

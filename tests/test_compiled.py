@@ -90,3 +90,21 @@ def test_compilations_do_not_grow_with_the_step_shapes():
         for T in (2, 4, 8):
             host.step(host.new_cache(B, 48), torch.zeros(B, T, dtype=torch.long), torch.full((B,), T))
     assert 3 <= counters["stats"]["unique_graphs"] <= 9  # static: 27
+
+
+@pytest.mark.parametrize("name", ["ngram", "dspark", "dflash", "eagle3", "mtp"])
+def test_compiled_propose_decodes_the_same_tokens(name):
+    """A compiled host compiles the drafter's propose too (greedy): the slot engine then commits, for every request
+    of a continuous batch, the tokens of the eager loop over the plain host; sampled runs keep the eager propose."""
+    model = tiny_model("llama")
+    plain, fast = Host(model, name="plain"), Host(model, name="fast", compile=True)
+    prompts = random_prompts([5, 12, 7], plain.vocab_size, seed=6)
+    drafter = build_any(name, plain, None)  # one drafter object: the same weights on both hosts (same modules)
+    want = generate(plain, prompts, drafter=drafter, draft_length=K, max_new_tokens=[9, 6, 11],
+                    engine="eager").token_ids
+    got = generate(fast, prompts, drafter=drafter, draft_length=K, max_new_tokens=[9, 6, 11], concurrency=2,
+                   graphs="static")
+    assert got.token_ids == want
+    assert "_compiled_propose" in vars(drafter)  # the compiled path ran
+    assert int(got.log.column("proposed").sum()) > 0
+    assert compiled_module.propose_fn(drafter, greedy=False) == drafter.propose  # sampled: the eager method

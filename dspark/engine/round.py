@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.acceptance import greedy_accept, rejection_sample
+from dspark.engine.compiled import propose_fn
 from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
 from dspark.engine.protocol import Proposal
 
@@ -60,7 +61,9 @@ def propose(slots, drafter, verifier, K: int) -> Draft:
     """Stage 1 and 2: draft, then schedule."""
     state, active = slots.state, slots.active
     C = active.shape[0]
-    proposal = drafter.propose(state, K)
+    # a compiled host compiles the drafter's propose too (greedy only: dspark.engine.compiled.propose_fn)
+    draft = propose_fn(drafter, state.sampling.greedy) if slots.host.compile else drafter.propose
+    proposal = draft(state, K)
     full = torch.full((C,), K, dtype=torch.long, device=active.device)
     proposed = (full if proposal.lengths is None else proposal.lengths.long()) * active  # idle slots offer nothing
     seen = Proposal(tokens=proposal.tokens, q=proposal.q, confidence=proposal.confidence, lengths=proposed)
