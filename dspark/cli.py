@@ -38,9 +38,9 @@ class HostOptions:
     deterministic: bool = field(default=False, metadata={
         "help": "deterministic kernels, no TF32, CUBLAS_WORKSPACE_CONFIG set (dspark.set_deterministic; "
                 "docs/RELIABILITY.md says what it guarantees)"})
-    compile: bool = field(default=False, metadata={
-        "help": "decode steps through torch.compile'd host layers (fewer kernels per step; each step shape compiles "
-                "once, counted in the warm-up; dspark.engine.compiled)"})
+    compile: Literal["auto", "on", "off"] = field(default="auto", metadata={
+        "help": "decode steps (and the drafter's propose and observe) through torch.compile (fewer kernels per step; "
+                "each step shape compiles once, counted in the warm-up; dspark.engine.compiled); auto = on CUDA"})
 
 
 @dataclass
@@ -191,7 +191,7 @@ def _host(opts: HostOptions):
 
     if opts.deterministic:
         set_deterministic()  # before the host is loaded: cuBLAS reads its workspace setting when CUDA starts
-    return load_host(opts.host, dtype=opts.dtype, device=opts.device, compile=opts.compile)
+    return load_host(opts.host, dtype=opts.dtype, device=opts.device, compile={"auto": None, "on": True, "off": False}[opts.compile])
 
 
 def check_drafter_flag(d: DecodeOptions) -> None:

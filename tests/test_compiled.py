@@ -105,6 +105,16 @@ def test_compiled_propose_decodes_the_same_tokens(name):
     got = generate(fast, prompts, drafter=drafter, draft_length=K, max_new_tokens=[9, 6, 11], concurrency=2,
                    graphs="static")
     assert got.token_ids == want
-    assert "_compiled_propose" in vars(drafter)  # the compiled path ran
+    assert {"_compiled_propose", "_compiled_observe"} <= set(vars(drafter))  # the compiled paths ran
     assert int(got.log.column("proposed").sum()) > 0
-    assert compiled_module.propose_fn(drafter, greedy=False) == drafter.propose  # sampled: the eager method
+    assert compiled_module.drafter_fn(drafter, "propose", greedy=False) == drafter.propose  # sampled: eager
+
+
+def test_compile_defaults_to_cuda_only(monkeypatch):
+    """Host(compile=None), the default, compiles on CUDA only (where triton is there); True / False force it."""
+    model = tiny_model("llama")
+    assert not Host(model).compiling  # a CPU host
+    assert Host(model, compile=True).compiling and not Host(model, compile=False).compiling
+    monkeypatch.setattr(Host, "device", property(lambda self: torch.device("cuda")))  # as a CUDA host sees it
+    assert Host(model).compiling == compiled_module.HAS_TRITON
+    assert not Host(model, compile=False).compiling

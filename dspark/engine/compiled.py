@@ -28,6 +28,8 @@ tokens with the eager step in float32 on the CPU (where inductor generates C++).
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,16 @@ COMPILE_MAX_T = 16  # widest step that runs compiled by default: verify widths (
 # why raised: dynamo recompiles a piece when a guard fails (a first static shape, then a dynamic one; sizes 0 and 1
 # are always their own) and by default gives up after 8, falling back to eager for good
 RECOMPILE_LIMIT = 64
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # torch.compile's GPU backend
+
+
+def auto(host) -> bool:
+    """Whether a host left to choose (`Host(compile=None)`, the default) runs compiled decode steps: on CUDA, where
+    the captured rounds replay them (benchmarks/round_profile.py: faster at every concurrency and drafter measured),
+    when the host is supported and triton (torch.compile's GPU backend) is installed."""
+    return host.device.type == "cuda" and HAS_TRITON and supported(host) is None
 
 
 def supported(host) -> str | None:
@@ -121,27 +133,33 @@ class CompiledLayers:
         return hidden, tapped
 
 
-def propose_fn(drafter, greedy: bool):
-    """The drafter's `propose`, through torch.compile when it is tensor-only (`capturable`) and decoding is greedy;
-    else the eager method. Compiled once per drafter object (kept on it) and shared by every run.
 
-    why: the propose stage of a captured round is a chain of small kernels (a drafter's layers, then K sequential
-    head or draft steps over the vocabulary; the n-gram's unfold-compare-max per n), so as the host's step it is
-    bound by their number; inductor fuses the elementwise work around the GEMMs. why greedy only: the sampled path's
-    counter-based noise (int64 splitmix64 on the vocabulary) crashed inductor's CPU code generation (torch 2.13), and
-    the speed claims are greedy; sampled proposals run the eager method.
+def drafter_fn(drafter, method: str, greedy: bool = True):
+    """The drafter's `propose` or `observe`, through torch.compile when the drafter is tensor-only (`capturable`)
+    (and, for propose, decoding is greedy); else the eager method. Compiled once per drafter object and method (kept
+    on it) and shared by every run.
 
-    Same math as the eager method up to the rounding of fused kernels: tests/test_compiled.py compares the tokens
+    why: a captured round's propose stage is a chain of small kernels (a drafter's layers, then K sequential head or
+    draft steps over the vocabulary; the n-gram's unfold-compare-max per n), and observe (in the accept stage)
+    projects the new features through every drafter layer into its cache; like the host's step they are bound by
+    the number of kernels (benchmarks/round_profile.py counted them: DSpark's propose 266 eager, 115 compiled, on
+    the H100), and inductor fuses the elementwise work around the GEMMs. why greedy only for propose: the sampled
+    path's counter-based noise (int64 splitmix64 over the vocabulary) crashed inductor's CPU code generation (torch
+    2.13), and the speed claims are greedy; sampled proposals run the eager method.
+
+    Same math as the eager methods up to the rounding of fused kernels: tests/test_compiled.py compares the tokens
     in float32 on the CPU."""
-    if not greedy or not getattr(drafter, "capturable", False):
-        return drafter.propose
-    fn = drafter.__dict__.get("_compiled_propose")
+    eager = getattr(drafter, method)
+    if not getattr(drafter, "capturable", False) or (method == "propose" and not greedy):
+        return eager
+    key = f"_compiled_{method}"
+    fn = drafter.__dict__.get(key)
     if fn is None:
-        compiled = torch.compile(drafter.propose)
+        compiled = torch.compile(eager)
 
-        def fn(state, K):
+        def fn(*args, **kwargs):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return compiled(state, K)
+                return compiled(*args, **kwargs)
 
-        drafter.__dict__["_compiled_propose"] = fn
+        drafter.__dict__[key] = fn
     return fn

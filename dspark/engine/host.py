@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.engine.attention import grouped_attention, pack_mask
-from dspark.engine.compiled import COMPILE_MAX_T, CompiledLayers, supported
+from dspark.engine.compiled import COMPILE_MAX_T, CompiledLayers, auto, supported
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.rotary import rope
 
@@ -87,7 +87,7 @@ def _bucket(n: int, size: int = 64) -> int:
 class Host:
     """A frozen causal LM with a ragged verify step, hidden-layer taps and its embedding/LM head for drafters."""
 
-    def __init__(self, model, tokenizer=None, *, name: str = "host", compile: bool = False) -> None:
+    def __init__(self, model, tokenizer=None, *, name: str = "host", compile: bool | None = None) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"host architecture '{config.model_type}' is not supported; supported model types: "
@@ -110,8 +110,8 @@ class Host:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.max_context = config.max_position_embeddings
         self.windows = self._sliding_windows(config)
-        # decode steps (T <= COMPILE_MAX_T) through torch.compile'd layer pieces (dspark.engine.compiled); off by
-        # default until the GPU benchmark shows it pays there (benchmarks/speed.py --compile)
+        # decode steps (T <= COMPILE_MAX_T) through torch.compile'd layer pieces (dspark.engine.compiled), and the
+        # drafter's propose and observe with them: True / False, or None = on CUDA when supported (`compiling`)
         self.compile = compile
         if compile and supported(self) is not None:
             raise ValueError(f"host '{name}' cannot run compiled layers: {supported(self)}")
@@ -125,6 +125,11 @@ class Host:
         if config.model_type == "mistral":
             return [window] * self.num_layers
         return [None] * self.num_layers
+
+    @property
+    def compiling(self) -> bool:
+        """Whether decode steps run compiled: `compile` when set, else dspark.engine.compiled.auto (CUDA)."""
+        return auto(self) if self.compile is None else self.compile
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +174,7 @@ class Host:
         cache. `attend` (a Python int) limits attention to the first `attend` cache positions (eager speed on
         long caches); None attends over the whole cache (fixed shape, for graph capture). `fused` runs each layer
         with fewer kernels (_fused_layer); None = on CUDA only. `compiled` runs the torch.compile'd layers instead
-        (dspark.engine.compiled); None = when `self.compile` is set and the step is decode-sized (T <=
+        (dspark.engine.compiled); None = when `self.compiling` and the step is decode-sized (T <=
         COMPILE_MAX_T). Prefills pass False: every prompt length would be one more compilation.
         """
         B, T = tokens.shape
@@ -185,7 +190,7 @@ class Host:
             return cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
 
         fused = tokens.device.type == "cuda" if fused is None else fused
-        compiled = self.compile and T <= COMPILE_MAX_T if compiled is None else compiled
+        compiled = self.compiling and T <= COMPILE_MAX_T if compiled is None else compiled
         return self._run(tokens, positions, key_pos, None, kv, taps, fused=fused, compiled=compiled)
 
     def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None,

@@ -350,12 +350,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_host(name_or_path: str = "smollm2", *, dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "auto", compile: bool = False) -> Host:
+              device: str | torch.device = "auto", compile: bool | None = None) -> Host:
     """The host model `name_or_path` (see `load_model_and_tokenizer`: a packaged host such as "smollm2" or
     "qwen2.5-coder-1.5b", a .gguf file, a local directory, a cached hub id or "random:<shape>"), wrapped for the decode loop. `.model` is the transformers model, `.tokenizer` its
     tokenizer (None for random hosts). The one dtype rule of the toolkit: "auto" is bf16 on CUDA and fp32
     elsewhere; an explicit dtype is used as given. `compile` runs decode steps through torch.compile'd layers
-    (dspark.engine.compiled)."""
+    (dspark.engine.compiled); None = on CUDA (Host.compiling)."""
     device = resolve_device(device)
     model, tokenizer = load_model_and_tokenizer(name_or_path, dtype=resolve_dtype(dtype, device), device=device)
     return Host(model, tokenizer, name=name_or_path, compile=compile)

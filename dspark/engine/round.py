@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.acceptance import greedy_accept, rejection_sample
-from dspark.engine.compiled import propose_fn
+from dspark.engine.compiled import drafter_fn
 from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
 from dspark.engine.protocol import Proposal
 
@@ -61,8 +61,8 @@ def propose(slots, drafter, verifier, K: int) -> Draft:
     """Stage 1 and 2: draft, then schedule."""
     state, active = slots.state, slots.active
     C = active.shape[0]
-    # a compiled host compiles the drafter's propose too (greedy only: dspark.engine.compiled.propose_fn)
-    draft = propose_fn(drafter, state.sampling.greedy) if slots.host.compile else drafter.propose
+    # a compiled host compiles the drafter's propose too (greedy only: dspark.engine.compiled.drafter_fn)
+    draft = drafter_fn(drafter, "propose", state.sampling.greedy) if slots.host.compiling else drafter.propose
     proposal = draft(state, K)
     full = torch.full((C,), K, dtype=torch.long, device=active.device)
     proposed = (full if proposal.lengths is None else proposal.lengths.long()) * active  # idle slots offer nothing
@@ -169,7 +169,8 @@ def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
     state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
     step = (n_acc + 1) * live  # (C,) tokens committed: the accepted drafts and the next token
     slots.cache.advance(step)
-    drafter.observe(features=verified.features, start=anchor_pos, n_valid=step, state=state)
+    observe = drafter_fn(drafter, "observe") if slots.host.compiling else drafter.observe
+    observe(features=verified.features, start=anchor_pos, n_valid=step, state=state)
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
