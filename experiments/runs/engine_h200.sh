@@ -29,7 +29,7 @@
 # CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm; the timing phases first wait, up to
 # TRAIN_GUARD_S = 300 s, for a training PHASE=train left running, else write contended.txt); without it they are
 # random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
-# COMPILE=1 adds --compile to the validate and concurrency phases (decide from speed.json's two plain rows). The
+# COMPILE=on|off|auto sets --compile of the validate and concurrency phases (default auto: compiled on CUDA). The
 # first phase of a fresh machine converts the staged GGUF into $DSPARK_CACHE (about 20 s), which later phases
 # reuse while the machine stays warm. Staging for tests, train, speed and llama8b: `python ../shared/stage_offline.py
 # --no-data --chunk-mib 47` (two chunks, each under the 64 MiB carry with the working tree); validate and
@@ -54,7 +54,7 @@ if [ -n "${CHECKPOINTS:-}" ]; then
   for d in dspark dflash eagle3; do [ -d "$CHECKPOINTS/$d" ] && paths+=("$d=$CHECKPOINTS/$d"); done
 fi
 compile=()
-if [ "${COMPILE:-0}" = 1 ]; then compile=(--compile true); fi
+if [ -n "${COMPILE:-}" ]; then compile=(--compile "$COMPILE"); fi  # auto (the default: on on CUDA), on or off
 # why: PHASE=train leaves its trainings running detached when the call's limit comes first, and a timing phase that
 # shares the GPU with one measures the contention (it happened once: that run is labelled contended in RESULTS)
 training_alive() {
