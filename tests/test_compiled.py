@@ -118,3 +118,12 @@ def test_compile_defaults_to_cuda_only(monkeypatch):
     monkeypatch.setattr(Host, "device", property(lambda self: torch.device("cuda")))  # as a CUDA host sees it
     assert Host(model).compiling == compiled_module.HAS_TRITON
     assert not Host(model, compile=False).compiling
+
+
+def test_small_lm_drafter_is_not_compiled_whole(tmp_path):
+    """The small-LM drafter's steps are its own Host's (compiled piecewise with the host): never compiled whole."""
+    host = Host(tiny_model("llama"), name="tiny", compile=True)
+    drafter = build_any("small-lm", host, tmp_path)
+    assert drafter.lm.compiling  # its LM runs as the host runs
+    for method in ("propose", "observe"):
+        assert compiled_module.drafter_fn(drafter, method) == getattr(drafter, method)

@@ -27,7 +27,9 @@ LIMITS = [10, 4, 14, 6, 12, 3]
 def cuda_host():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return Host(tiny_model("llama").to("cuda"), name="tiny-llama-cuda")
+    # eager layers: these tests check the rounds against the eager loop (the compiled layers and drafters, the
+    # default on CUDA, have test_compiled_layers_in_captured_rounds_equal_eager; compiling per test is slow)
+    return Host(tiny_model("llama").to("cuda"), name="tiny-llama-cuda", compile=False)
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
@@ -81,10 +83,11 @@ def test_plain_rounds_in_captured_runs_equal_eager(cuda_host, name, tmp_path):
         assert runs[1].engine["overlapped"] == bool(devices)
 
 
-@pytest.mark.parametrize("name", ["none", "dspark", "ngram"])
+@pytest.mark.parametrize("name", ["none", "dspark", "dflash", "eagle3", "mtp", "ngram", "small-lm"])
 def test_compiled_layers_in_captured_rounds_equal_eager(name, tmp_path):
-    """torch.compile'd host layers (dspark.engine.compiled) inside the captured verify graphs: greedy tokens of the
-    eager loop over the same host with its eager layers (fp32, no TF32)."""
+    """torch.compile'd host layers and drafter propose / observe (dspark.engine.compiled, the default on CUDA)
+    inside the captured graphs: greedy tokens of the eager loop over the same host with its eager layers (fp32, no
+    TF32)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_model("qwen2").to("cuda")
     plain, fast = Host(model, name="eager-layers", compile=False), Host(model, name="compiled", compile=True)
@@ -140,7 +143,7 @@ def test_lookahead_on_a_smollm2_sized_host_keeps_the_packed_output(tmp_path, mon
 
     monkeypatch.setattr(graphs.GraphRound, "__call__", checked)
     torch.backends.cuda.matmul.allow_tf32 = False
-    host = load_host("random:smollm2", dtype="float32", device="cuda")
+    host = load_host("random:smollm2", dtype="float32", device="cuda", compile=False)
     ngram = build_any("ngram", host, tmp_path)
     base = random_prompts([24, 40, 9, 31], host.vocab_size, seed=3)
     prompts = [p + p[: len(p) // 2] + p for p in base]  # repeats: the n-gram drafter finds matches
@@ -194,7 +197,7 @@ def test_grouped_attention_runs_without_the_math_backend(dtype):
 
     from tests.conftest import tiny_model
 
-    host = Host(tiny_model("llama").to(device="cuda", dtype=dtype), name="tiny-llama-cuda")
+    host = Host(tiny_model("llama").to(device="cuda", dtype=dtype), name="tiny-llama-cuda", compile=False)
     assert host.num_heads > host.num_kv_heads  # grouped
     tokens = torch.tensor(random_prompts([9, 9], host.vocab_size, seed=4), device="cuda")
     cache = host.new_cache(2, 64)

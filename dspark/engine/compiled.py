@@ -136,7 +136,7 @@ class CompiledLayers:
 
 def drafter_fn(drafter, method: str, greedy: bool = True):
     """The drafter's `propose` or `observe`, through torch.compile when the drafter is tensor-only (`capturable`)
-    (and, for propose, decoding is greedy); else the eager method. Compiled once per drafter object and method (kept
+    and allows it (`compile_whole`), and, for propose, decoding is greedy; else the eager method. Compiled once per drafter object and method (kept
     on it) and shared by every run.
 
     why: a captured round's propose stage is a chain of small kernels (a drafter's layers, then K sequential head or
@@ -150,7 +150,8 @@ def drafter_fn(drafter, method: str, greedy: bool = True):
     Same math as the eager methods up to the rounding of fused kernels: tests/test_compiled.py compares the tokens
     in float32 on the CPU."""
     eager = getattr(drafter, method)
-    if not getattr(drafter, "capturable", False) or (method == "propose" and not greedy):
+    if not (getattr(drafter, "capturable", False) and getattr(drafter, "compile_whole", True)) or (
+            method == "propose" and not greedy):
         return eager
     key = f"_compiled_{method}"
     fn = drafter.__dict__.get(key)

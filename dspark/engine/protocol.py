@@ -81,6 +81,9 @@ class Drafter:
     #: True when propose/observe are tensor-only (no host syncs, no Python branching on values) and update state in
     #: place: the slot engine may then capture them in a CUDA graph
     capturable: bool = False
+    #: False when propose/observe must not be compiled whole (dspark.engine.compiled.drafter_fn) though capturable:
+    #: the small-LM drafter, whose steps are a Host's, already compiled piece by piece when the host is
+    compile_whole: bool = True
     #: host layers whose raw outputs this drafter consumes (concatenated in this order); () = none
     feature_layers: tuple[int, ...] = ()
 
