@@ -90,11 +90,15 @@ def census(fn) -> dict:
     else:
         kernels = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
     times: Counter = Counter()
+    counts: Counter = Counter()
     for e in kernels:
         spent = getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) if cuda else e.cpu_time_total
         times[e.name[:60]] += spent / 1000
+        counts[e.name[:60]] += 1
+    # every kernel name with its count and time: where two stages differ (e.g. verify at widths 1 and K + 1)
     return {"kernels": len(kernels), "device_ms": sum(times.values()),
-            "top": [(name, round(ms, 4)) for name, ms in times.most_common(5)]}
+            "top": [(name, round(ms, 4)) for name, ms in times.most_common(5)],
+            "by_name": {name: [counts[name], round(times[name], 4)] for name, _ in times.most_common()}}
 
 
 def stage_census(host, drafter) -> dict:
