@@ -84,7 +84,10 @@ class CompiledLayers:
             if qk_norm:
                 q, k = rms(q, q_norm), rms(k, k_norm)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-            return rope(q, cos, sin), rope(k, cos, sin), v
+            # why contiguous: rotary writes q in this layout at no cost, and grouped_attention's packing of the query
+            # heads is then a view; from the transposed layout it is a copy kernel per layer whenever T > 1 (a
+            # verify step; at T = 1 both layouts are the same)
+            return rope(q, cos, sin).contiguous(), rope(k, cos, sin), v
 
         def attn_out_mlp(x, o, w_o, b_o, norm, w_gu, w_down, b_down):
             B, T, _ = x.shape
