@@ -10,10 +10,12 @@ eagerly each layer runs ~25 (norms in float32, rotary, residual adds, SiLU times
 Inductor fuses that elementwise work into a few generated kernels around the GEMMs, which cuBLAS still runs.
 
 The seam between layers: layer i's output projection, residual, MLP and residual are compiled together with layer
-i + 1's input norm, q|k|v projection, q/k norms (Qwen3) and rotary (`_mid`), so a residual add and the next norm are
-one kernel; the last layer's piece ends with the final norm. Left outside the compiled pieces, between them: the
-KV-cache write (an in-place scatter into a view of the whole cache, which compiled code would copy out and back)
-and attention (SDPA, one fused kernel with the query heads packed: dspark.engine.attention). The pieces are
+i + 1's input norm, q|k|v projection, q/k norms (Qwen3), rotary and KV-cache write (`mid`), so a residual add and the
+next norm are one kernel, and so are the rotary of k and its write into the cache; the last layer's piece ends with
+the final norm. The write is an `index_put_` on the whole cache tensor with the layer as an index tensor: inductor
+writes a graph input in place (an in-place scatter into a view of the cache, as KVCache.write does, made it copy
+that layer's cache out and back). Left outside the compiled pieces, between them: attention (SDPA, one fused kernel
+with the query heads packed: dspark.engine.attention). The pieces are
 compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure).
 Shapes: torch.compile's default, static for the first step shape and dynamic in the tokens from the second on, so a
 run over several concurrencies and verify widths compiles each piece about twice, not once per shape (on the H200
@@ -78,16 +80,25 @@ class CompiledLayers:
             xf = x.float()
             return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-        def attn_in(x, cos, sin, norm, w_qkv, b_qkv, q_norm, k_norm):
+        def attn_in(x, cos, sin, norm, w_qkv, b_qkv, q_norm, k_norm, cache_k, cache_v, layer, positions):
+            """q (B, Hq, T, D) of layer `layer` (a 0-dim tensor), its keys and values written into the cache."""
             B, T, _ = x.shape
             q, k, v = F.linear(rms(x, norm), w_qkv, b_qkv).view(B, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], 2)
             if qk_norm:
                 q, k = rms(q, q_norm), rms(k, k_norm)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+            # the KV-cache write as KVCache.write, but inside the compiled piece: an index_put_ on the whole cache
+            # (an input, so inductor writes it in place, fused with the rotary that makes k; the layer an index
+            # tensor, so one compilation serves every layer)
+            rows = torch.arange(B, device=x.device).view(B, 1, 1)
+            heads = torch.arange(Hkv, device=x.device).view(1, Hkv, 1)
+            index = (layer, rows, heads, positions.view(B, 1, T))
+            cache_k.index_put_(index, rope(k, cos, sin))
+            cache_v.index_put_(index, v)
             # why contiguous: rotary writes q in this layout at no cost, and grouped_attention's packing of the query
             # heads is then a view; from the transposed layout it is a copy kernel per layer whenever T > 1 (a
             # verify step; at T = 1 both layouts are the same)
-            return rope(q, cos, sin).contiguous(), rope(k, cos, sin), v
+            return rope(q, cos, sin).contiguous()
 
         def attn_out_mlp(x, o, w_o, b_o, norm, w_gu, w_down, b_down):
             B, T, _ = x.shape
@@ -95,9 +106,9 @@ class CompiledLayers:
             gate, up = F.linear(rms(x, norm), w_gu).chunk(2, dim=-1)
             return x + F.linear(F.silu(gate) * up, w_down, b_down)
 
-        def mid(x, o, cos, sin, post, pre):
+        def mid(x, o, cos, sin, post, pre, write):
             x = attn_out_mlp(x, o, *post)
-            return (x, *attn_in(x, cos, sin, *pre))
+            return x, attn_in(x, cos, sin, *pre, *write)
 
         def last(x, o, post, final_norm):
             x = attn_out_mlp(x, o, *post)
@@ -113,21 +124,24 @@ class CompiledLayers:
             self.post.append((a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, w_gu,
                               mlp.down_proj.weight, mlp.down_proj.bias))
         self.final_norm = host.final_norm.weight
+        self.num_layers = len(host.layers)
         weight = host.layers[0].self_attn.q_proj.weight
         self.key = (weight.device, weight.dtype)  # the device and dtype the weights were gathered at
 
-    def run(self, host, x, cos, sin, packed, kv, taps):
-        """Every layer on x (B, T, H): (final-normed hidden, the tapped layers' outputs in layer order). packed:
-        each attention window's mask through attention.pack_mask."""
-        B, T, _ = x.shape
+    def run(self, host, x, cos, sin, packed, cache, positions, W, taps):
+        """Every layer on x (B, T, H) at `positions` (B, T), writing their keys and values into `cache` (a KVCache)
+        and attending over its first W positions: (final-normed hidden, the tapped layers' outputs in layer
+        order). packed: each attention window's mask through attention.pack_mask."""
         n, tapped = len(host.layers), []
+        layers = self._layer_index(x.device)
+        write = lambda i: (cache.k, cache.v, layers[i], positions)  # noqa: E731
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            q, k, v = self.first(x, cos, sin, *self.pre[0])
+            q = self.first(x, cos, sin, *self.pre[0], *write(0))
             for i, layer in enumerate(host.layers):
-                keys, values = kv(i, k, v)  # (B, Hkv, W, D)
+                keys, values = cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
                 o = grouped_attention(q, keys, values, packed[host.windows[i]], layer.self_attn.scaling)
                 if i + 1 < n:
-                    x, q, k, v = self.mid(x, o, cos, sin, self.post[i], self.pre[i + 1])
+                    x, q = self.mid(x, o, cos, sin, self.post[i], self.pre[i + 1], write(i + 1))
                     hidden = None
                 else:
                     x, hidden = self.last(x, o, self.post[i], self.final_norm)
@@ -135,6 +149,13 @@ class CompiledLayers:
                     tapped.append(x)
         return hidden, tapped
 
+    def _layer_index(self, device) -> list[torch.Tensor]:
+        """Each layer's index as a 0-dim tensor on `device` (made once): the compiled pieces take the layer as a
+        tensor, not a Python int they would specialise on (a compilation per layer)."""
+        index = self.__dict__.get("_index")
+        if index is None or index[0].device != device:
+            index = self._index = [torch.tensor(i, device=device) for i in range(self.num_layers)]
+        return index
 
 
 def drafter_fn(drafter, method: str, greedy: bool = True):

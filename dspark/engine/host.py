@@ -191,7 +191,7 @@ class Host:
 
         fused = tokens.device.type == "cuda" if fused is None else fused
         compiled = self.compiling and T <= COMPILE_MAX_T if compiled is None else compiled
-        return self._run(tokens, positions, key_pos, None, kv, taps, fused=fused, compiled=compiled)
+        return self._run(tokens, positions, key_pos, None, kv, taps, fused=fused, compiled=compiled, cache=cache)
 
     def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> StepOutput:
@@ -208,8 +208,9 @@ class Host:
             return self._run(tokens, positions, index, same_doc, lambda i, k, v: (k, v), taps, key_is_query=True)
 
     def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False,
-             fused: bool = False, compiled: bool = False) -> StepOutput:
-        """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v)."""
+             fused: bool = False, compiled: bool = False, cache: KVCache | None = None) -> StepOutput:
+        """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v). `compiled`
+        (decode steps, which pass their `cache`) writes the keys and values inside the compiled pieces instead."""
         B, T = tokens.shape
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = self.rotary(x, positions)  # (B, T, D)
@@ -229,7 +230,8 @@ class Host:
             groups = self.num_heads // self.num_kv_heads
             packed = {window: pack_mask(mask, groups) for window, mask in masks.items()}
         if compiled:
-            hidden, tapped = self._compiled_layers().run(self, x, cos, sin, packed, kv, taps)
+            W = key_pos.shape[1]
+            hidden, tapped = self._compiled_layers().run(self, x, cos, sin, packed, cache, positions, W, taps)
         elif fused:
             tapped, signed_sin = [], _signed_sin(sin)
             for i, layer in enumerate(self.layers):
