@@ -127,3 +127,24 @@ def test_small_lm_drafter_is_not_compiled_whole(tmp_path):
     assert drafter.lm.compiling  # its LM runs as the host runs
     for method in ("propose", "observe"):
         assert compiled_module.drafter_fn(drafter, method) == getattr(drafter, method)
+
+
+def test_cache_writes_traced_by_compile_equal_the_eager_scatter():
+    """KVCache.write traced by torch.compile (an index_put_ on the whole cache, dspark.engine.kv_cache.index_write)
+    leaves the cache exactly as the eager scatter does, for every layer and ragged positions."""
+    from dspark.engine.kv_cache import KVCache
+
+    def writes(cache, k, v, positions):
+        for layer in range(3):
+            cache.write(layer, k + layer, v - layer, positions + layer)
+        return k.sum()
+
+    caches = [KVCache(num_layers=3, batch_size=2, num_kv_heads=3, max_len=32, head_dim=8, dtype=torch.float32,
+                      device="cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g)
+    positions = torch.tensor([[3, 4, 5, 6], [10, 11, 12, 13]])
+    writes(caches[0], k, v, positions)
+    torch.compile(writes)(caches[1], k, v, positions)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[1].k.abs().sum() > 0

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.engine.attention import grouped_attention
+from dspark.engine.kv_cache import index_write
 from dspark.engine.rotary import rope
 
 COMPILE_MAX_T = 16  # widest step that runs compiled by default: verify widths (K + 1 <= 16), not prefills
@@ -87,14 +88,10 @@ class CompiledLayers:
             if qk_norm:
                 q, k = rms(q, q_norm), rms(k, k_norm)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-            # the KV-cache write as KVCache.write, but inside the compiled piece: an index_put_ on the whole cache
-            # (an input, so inductor writes it in place, fused with the rotary that makes k; the layer an index
-            # tensor, so one compilation serves every layer)
-            rows = torch.arange(B, device=x.device).view(B, 1, 1)
-            heads = torch.arange(Hkv, device=x.device).view(1, Hkv, 1)
-            index = (layer, rows, heads, positions.view(B, 1, T))
-            cache_k.index_put_(index, rope(k, cos, sin))
-            cache_v.index_put_(index, v)
+            # the KV-cache write inside the compiled piece, in place and fused with the rotary that makes k (the
+            # layer an index tensor: one compilation serves every layer)
+            index_write(cache_k, layer, positions, rope(k, cos, sin))
+            index_write(cache_v, layer, positions, v)
             # why contiguous: rotary writes q in this layout at no cost, and grouped_attention's packing of the query
             # heads is then a view; from the transposed layout it is a copy kernel per layer whenever T > 1 (a
             # verify step; at T = 1 both layouts are the same)

@@ -37,6 +37,10 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store k, v (B, Hkv, T, D) of `layer` at `positions` (B, T)."""
+        if torch.compiler.is_compiling():  # traced by torch.compile (a compiled drafter's propose or observe)
+            index_write(self.k, layer, positions, k)
+            index_write(self.v, layer, positions, v)
+            return
         index = positions[:, None, :, None].expand_as(k)  # (B, Hkv, T, D)
         self.k[layer].scatter_(2, index, k)
         self.v[layer].scatter_(2, index, v)
@@ -60,3 +64,18 @@ class KVCache:
         self.k = self.k.index_select(1, rows)
         self.v = self.v.index_select(1, rows)
         self.lengths = self.lengths.index_select(0, rows)
+
+
+def index_write(cache: torch.Tensor, layer: int | torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """cache (NL, B, Hkv, Tmax, D)[layer, b, :, positions[b, t]] = values[b, :, t] for values (B, Hkv, T, D): the
+    write of KVCache.write as one index_put_ on the whole tensor, for code that torch.compile traces. why: inductor
+    writes a mutated graph input in place, but a mutated view of one (the eager path's scatter into cache[layer])
+    it copies out and back: the layer's whole cache, twice per write. `layer` may be a 0-dim index tensor (one
+    compilation for every layer) or an int (made a tensor in the traced code, no kernel)."""
+    B, _, T, _ = values.shape
+    device = values.device
+    if not isinstance(layer, torch.Tensor):
+        layer = torch.full((), layer, dtype=torch.long, device=device)
+    rows = torch.arange(B, device=device).view(B, 1, 1)
+    heads = torch.arange(values.shape[1], device=device).view(1, -1, 1)
+    cache.index_put_((layer, rows, heads, positions.view(B, 1, T)), values)
