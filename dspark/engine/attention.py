@@ -25,11 +25,22 @@ def pack_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, packed_mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, packed_output: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q (B, Hq, T, D) against keys, values (B, Hkv, W, D), query head h reading
-    key/value head h // g (as SDPA's enable_gqa); packed_mask from pack_mask. Returns (B, Hq, T, D)."""
+    key/value head h // g (as SDPA's enable_gqa); packed_mask from pack_mask. Returns (B, Hq, T, D), or with
+    `packed_output` SDPA's own (B, Hkv, g * T, D), rows j * T + t, for a caller that unpacks it (unpack_heads)."""
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
     packed = q.reshape(B, Hkv, (Hq // Hkv) * T, D)  # query head h = kv_head * g + j -> rows j * T + t
     out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=packed_mask, scale=scale)
-    return out.reshape(B, Hq, T, D)  # CUDA kernels may return another layout (not viewable)
+    if packed_output:
+        return out
+    return out.reshape(B, Hq, T, D)  # CUDA kernels may return another layout (not viewable): then a copy
+
+
+def unpack_heads(out: torch.Tensor, num_heads: int, T: int) -> torch.Tensor:
+    """grouped_attention's packed output (B, Hkv, g * T, D) -> (B, T, Hq * D), the output projection's input
+    (query head h = kv_head * g + j, features h * D + d). why here: in compiled code this is one copy kernel from
+    whatever layout SDPA returned, where reshaping to (B, Hq, T, D) first and transposing after was two."""
+    B, Hkv, _, D = out.shape
+    return out.reshape(B, Hkv, num_heads // Hkv, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, num_heads * D)

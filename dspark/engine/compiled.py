@@ -35,7 +35,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from dspark.engine.attention import grouped_attention
+from dspark.engine.attention import grouped_attention, unpack_heads
 from dspark.engine.kv_cache import index_write
 from dspark.engine.rotary import rope
 
@@ -98,8 +98,8 @@ class CompiledLayers:
             return rope(q, cos, sin).contiguous()
 
         def attn_out_mlp(x, o, w_o, b_o, norm, w_gu, w_down, b_down):
-            B, T, _ = x.shape
-            x = x + F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), w_o, b_o)
+            # o: grouped_attention's packed output (B, Hkv, g * T, D)
+            x = x + F.linear(unpack_heads(o, Hq, x.shape[1]), w_o, b_o)
             gate, up = F.linear(rms(x, norm), w_gu).chunk(2, dim=-1)
             return x + F.linear(F.silu(gate) * up, w_down, b_down)
 
@@ -136,7 +136,8 @@ class CompiledLayers:
             q = self.first(x, cos, sin, *self.pre[0], *write(0))
             for i, layer in enumerate(host.layers):
                 keys, values = cache.k[i][:, :, :W], cache.v[i][:, :, :W]  # (B, Hkv, W, D)
-                o = grouped_attention(q, keys, values, packed[host.windows[i]], layer.self_attn.scaling)
+                o = grouped_attention(q, keys, values, packed[host.windows[i]], layer.self_attn.scaling,
+                                      packed_output=True)
                 if i + 1 < n:
                     x, q = self.mid(x, o, cos, sin, self.post[i], self.pre[i + 1], write(i + 1))
                     hidden = None
