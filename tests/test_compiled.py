@@ -79,7 +79,8 @@ def test_unsupported_host_is_refused_with_the_reason():
 
 
 def test_compilations_do_not_grow_with_the_step_shapes():
-    """Nine step shapes (rows x verify widths) compile each of the three pieces a few times, not once per shape."""
+    """Nine step shapes (rows x verify widths) compile each of the four pieces (the inputs, the first, middle and last
+    layer pieces) a few times, not once per shape."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -89,7 +90,7 @@ def test_compilations_do_not_grow_with_the_step_shapes():
     for B in (2, 3, 5):
         for T in (2, 4, 8):
             host.step(host.new_cache(B, 48), torch.zeros(B, T, dtype=torch.long), torch.full((B,), T))
-    assert 3 <= counters["stats"]["unique_graphs"] <= 9  # static: 27
+    assert 4 <= counters["stats"]["unique_graphs"] <= 12  # static: 36
 
 
 @pytest.mark.parametrize("name", ["ngram", "dspark", "dflash", "eagle3", "mtp"])

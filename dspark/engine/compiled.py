@@ -15,15 +15,16 @@ next norm are one kernel, and so are the rotary of k and its write into the cach
 the final norm. The write is an `index_put_` on the whole cache tensor with the layer as an index tensor: inductor
 writes a graph input in place (an in-place scatter into a view of the cache, as KVCache.write does, made it copy
 that layer's cache out and back). Left outside the compiled pieces, between them: attention (SDPA, one fused kernel
-with the query heads packed: dspark.engine.attention). The pieces are
-compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure).
+with the query heads packed: dspark.engine.attention), whose packed output the next piece unpacks. Before the
+first layer, a fourth piece makes the step's inputs (embedding, rotary, the packed masks: Host._inputs). The pieces
+are compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure).
 Shapes: torch.compile's default, static for the first step shape and dynamic in the tokens from the second on, so a
 run over several concurrencies and verify widths compiles each piece about twice, not once per shape (on the H200
 each compilation costs seconds of warm-up). Only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a
 prefill); prefills run the eager layers.
 
 It pays under CUDA graphs (the slot engine's default on CUDA), where the pieces run only while a round is captured;
-called eagerly, every piece also pays dynamo's guard check per call (three per layer).
+called eagerly, every piece also pays dynamo's guard check per call (one per layer and one per step).
 
 Same math as Host._layer up to the rounding of fused kernels: tests/test_compiled.py compares logits and greedy
 tokens with the eager step in float32 on the CPU (where inductor generates C++).
@@ -111,7 +112,10 @@ class CompiledLayers:
             x = attn_out_mlp(x, o, *post)
             return x, rms(x, final_norm)
 
-        self.first, self.mid, self.last = (torch.compile(f) for f in (attn_in, mid, last))
+        def inputs(host, tokens, positions, key_pos):  # Host._inputs of a decode step: embedding, rotary, masks
+            return host._inputs(tokens, positions, key_pos, pack=True)
+
+        self.first, self.mid, self.last, self._inputs = (torch.compile(f) for f in (attn_in, mid, last, inputs))
         self.pre, self.post = [], []
         for i, layer in enumerate(host.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -146,6 +150,11 @@ class CompiledLayers:
                 if i in taps:
                     tapped.append(x)
         return hidden, tapped
+
+    def inputs(self, host, tokens, positions, key_pos):
+        """Host._inputs of a decode step (packed masks), compiled: the embedding, rotary and masks in a few kernels."""
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return self._inputs(host, tokens, positions, key_pos)
 
     def _layer_index(self, device) -> list[torch.Tensor]:
         """Each layer's index as a 0-dim tensor on `device` (made once): the compiled pieces take the layer as a

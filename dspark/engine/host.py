@@ -207,11 +207,10 @@ class Host:
         with torch.no_grad():
             return self._run(tokens, positions, index, same_doc, lambda i, k, v: (k, v), taps, key_is_query=True)
 
-    def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False,
-             fused: bool = False, compiled: bool = False, cache: KVCache | None = None) -> StepOutput:
-        """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v). `compiled`
-        (decode steps, which pass their `cache`) writes the keys and values inside the compiled pieces instead."""
-        B, T = tokens.shape
+    def _inputs(self, tokens, positions, key_pos, same_doc=None, key_is_query: bool = False, pack: bool = False):
+        """(x (B, T, H) the embedded tokens, cos, sin (B, T, D), each attention window's additive mask (B, 1, T, W),
+        and with `pack` those masks through attention.pack_mask, else None)."""
+        T = tokens.shape[1]
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = self.rotary(x, positions)  # (B, T, D)
         query_pos = key_pos[:, :T] if key_is_query else positions  # index used for causality
@@ -226,13 +225,24 @@ class Host:
                 # every query attends at least to its own position
                 masks[window] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
                     ~allowed, torch.finfo(x.dtype).min).unsqueeze(1)  # (B, 1, T, W)
-        if compiled or fused:  # both attend through dspark.engine.attention: masks packed once per step
+        packed = None
+        if pack:
             groups = self.num_heads // self.num_kv_heads
             packed = {window: pack_mask(mask, groups) for window, mask in masks.items()}
-        if compiled:
-            W = key_pos.shape[1]
-            hidden, tapped = self._compiled_layers().run(self, x, cos, sin, packed, cache, positions, W, taps)
-        elif fused:
+        return x, cos, sin, masks, packed
+
+    def _run(self, tokens, positions, key_pos, same_doc, kv, taps, key_is_query: bool = False,
+             fused: bool = False, compiled: bool = False, cache: KVCache | None = None) -> StepOutput:
+        """The layers: queries at `positions` (B, T); keys at `key_pos` (B, W) from kv(layer, k, v). `compiled`
+        (decode steps, which pass their `cache`) writes the keys and values inside the compiled pieces instead."""
+        # compiled and fused layers attend through dspark.engine.attention: their masks are packed once per step
+        if compiled:  # decode steps: the inputs and the layers through compiled pieces (dspark.engine.compiled)
+            layers = self._compiled_layers()
+            x, cos, sin, _, packed = layers.inputs(self, tokens, positions, key_pos)
+            hidden, tapped = layers.run(self, x, cos, sin, packed, cache, positions, key_pos.shape[1], taps)
+            return StepOutput(hidden=hidden, features=self._features(tapped, taps))
+        x, cos, sin, masks, packed = self._inputs(tokens, positions, key_pos, same_doc, key_is_query, pack=fused)
+        if fused:
             tapped, signed_sin = [], _signed_sin(sin)
             for i, layer in enumerate(self.layers):
                 x = self._fused_layer(i, layer, x, cos, signed_sin, packed[self.windows[i]], kv)
@@ -246,11 +256,15 @@ class Host:
                 if i in taps:
                     tapped.append(x)
             hidden = self.final_norm(x)
-        features = None
-        if taps:
-            order = {layer_index: n for n, layer_index in enumerate(sorted(taps))}
-            features = torch.cat([tapped[order[i]] for i in taps], dim=-1)  # (B, T, F)
-        return StepOutput(hidden=hidden, features=features)
+        return StepOutput(hidden=hidden, features=self._features(tapped, taps))
+
+    @staticmethod
+    def _features(tapped: list[torch.Tensor], taps: tuple[int, ...]) -> torch.Tensor | None:
+        """The tapped layers' outputs (in layer order) concatenated in the order `taps` names them: (B, T, F)."""
+        if not taps:
+            return None
+        order = {layer_index: n for n, layer_index in enumerate(sorted(taps))}
+        return torch.cat([tapped[order[i]] for i in taps], dim=-1)
 
     def _layer(self, i: int, layer, x, cos, sin, mask, kv) -> torch.Tensor:
         """Decoder layer i on x (B, T, H) through its own modules (the reference path; CPU)."""
