@@ -107,6 +107,9 @@ def test_compiled_propose_decodes_the_same_tokens(name):
                    graphs="static")
     assert got.token_ids == want
     assert {"_compiled_propose", "_compiled_observe"} <= set(vars(drafter))  # the compiled paths ran
+    from dspark.engine import round as round_module
+
+    assert round_module._commit in compiled_module._COMPILED  # and the compiled acceptance and commit
     assert int(got.log.column("proposed").sum()) > 0
     assert compiled_module.drafter_fn(drafter, "propose", greedy=False) == drafter.propose  # sampled: eager
 

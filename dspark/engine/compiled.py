@@ -195,3 +195,23 @@ def drafter_fn(drafter, method: str, greedy: bool = True):
 
         drafter.__dict__[key] = fn
     return fn
+
+
+def commit_fn(commit):
+    """dspark.engine.round._commit (acceptance and the commit of tokens) through torch.compile, compiled once per
+    process. why: like the other stages, a round's accept is a chain of small kernels (argmax over the vocabulary,
+    the accepted-prefix count, the scatter of the new tokens, the packing of the round's output: 32 at C = 1 on the
+    H100, benchmarks/h100/round_profile.json), which inductor fuses. Greedy only, as drafter_fn's propose."""
+    fn = _COMPILED.get(commit)
+    if fn is None:
+        compiled = torch.compile(commit)
+
+        def fn(*args):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(*args)
+
+        _COMPILED[commit] = fn
+    return fn
+
+
+_COMPILED: dict = {}  # commit_fn's compiled functions, by the function compiled

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.acceptance import greedy_accept, rejection_sample
-from dspark.engine.compiled import drafter_fn
+from dspark.engine.compiled import commit_fn, drafter_fn
 from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
 from dspark.engine.protocol import Proposal
 
@@ -145,38 +145,50 @@ def verify(slots, host, draft: Draft, L: int, taps: tuple[int, ...], attend: int
 
 def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
     """Stages 4 and 5: acceptance, then the commit, at the verify forward's width L + 1; returns the packed
-    (C, K+1+COLUMNS) long round output (the new tokens padded to K + 1, whatever L)."""
-    state, active, logits = slots.state, slots.active, verified.logits
-    C, K, L = draft.tokens.shape[0], draft.tokens.shape[1], logits.shape[1] - 1
-    tokens, q, ell = draft.tokens[:, :L], None if draft.q is None else draft.q[:, :L], draft.ell.clamp(max=L)
-    finite = _finite(logits, q, draft.confidence)
-    anchor_pos = state.seq_len - 1  # (C,)
-    positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=ell.device)  # (C, L+1)
-    if state.sampling.greedy:
-        acc = greedy_accept(logits.argmax(-1), tokens, ell)
-        nxt = acc.next_token
-    else:
-        p = process(logits, state.sampling)  # (C, L+1, V)
-        u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (C, L)
-        acc = rejection_sample(p, q, tokens, ell, u)
-        nxt = sample(acc.next_probs, state.seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
-    # why `remaining > 0` too: a slot whose budget is spent commits nothing even before the CPU retires it, so no
-    # disagreement between the CPU and the device can run a slot past the end of its rows (an index error on CUDA)
-    live = active & (slots.remaining > 0)
-    n_acc = acc.n_accepted * live
-    new = torch.cat([tokens, tokens.new_zeros(C, K + 1 - L)], dim=1).scatter_(1, n_acc.unsqueeze(1),
-                                                                               nxt.unsqueeze(1))  # (C, K+1)
-    state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
-    step = (n_acc + 1) * live  # (C,) tokens committed: the accepted drafts and the next token
-    slots.cache.advance(step)
-    observe = drafter_fn(drafter, "observe") if slots.host.compiling else drafter.observe
+    (C, K+1+COLUMNS) long round output (the new tokens padded to K + 1, whatever L). A compiled host runs the
+    acceptance and the commit of tokens as one compiled function (greedy: dspark.engine.compiled.commit_fn)."""
+    state, active, compiled = slots.state, slots.active, slots.host.compiling
+    commit = commit_fn(_commit) if compiled and state.sampling.greedy else _commit
+    out, anchor_pos, step = commit(verified.logits, draft.tokens, draft.q, draft.ell, draft.proposed,
+                                   draft.next_width, draft.confidence, state.seq, state.seq_len, state.seeds, active,
+                                   slots.remaining, slots.cache.lengths, state.sampling)
+    observe = drafter_fn(drafter, "observe") if compiled else drafter.observe
     observe(features=verified.features, start=anchor_pos, n_valid=step, state=state)
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
-    columns = [n_acc, ell, draft.proposed, finite.long(), draft.next_width.expand(C), torch.full_like(n_acc, -1),
-               state.seq_len]
-    return torch.cat([new, torch.stack(columns, dim=1)], dim=1)
+    return out
+
+
+def _commit(logits, draft_tokens, draft_q, ell, proposed, next_width, confidence, seq, seq_len, seeds, active,
+            remaining, cache_lengths, sampling):
+    """accept's tensor work before the drafter observes: acceptance, the new tokens into seq, the host cache's
+    lengths advanced; returns (packed output, each slot's anchor position, tokens committed). Tensors and a
+    SamplingConfig only, so that torch.compile traces it once for every run (no Python objects to guard on)."""
+    C, K, L = draft_tokens.shape[0], draft_tokens.shape[1], logits.shape[1] - 1
+    tokens, q, ell = draft_tokens[:, :L], None if draft_q is None else draft_q[:, :L], ell.clamp(max=L)
+    finite = _finite(logits, q, confidence)
+    anchor_pos = seq_len - 1  # (C,)
+    positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=ell.device)  # (C, L+1)
+    if sampling.greedy:
+        acc = greedy_accept(logits.argmax(-1), tokens, ell)
+        nxt = acc.next_token
+    else:
+        p = process(logits, sampling)  # (C, L+1, V)
+        u = uniform(seeds, positions[:, :L], STREAM_ACCEPT)  # (C, L)
+        acc = rejection_sample(p, q, tokens, ell, u)
+        nxt = sample(acc.next_probs, seeds, anchor_pos + 1 + acc.n_accepted, STREAM_SAMPLE)
+    # why `remaining > 0` too: a slot whose budget is spent commits nothing even before the CPU retires it, so no
+    # disagreement between the CPU and the device can run a slot past the end of its rows (an index error on CUDA)
+    live = active & (remaining > 0)
+    n_acc = acc.n_accepted * live
+    new = torch.cat([tokens, tokens.new_zeros(C, K + 1 - L)], dim=1).scatter_(1, n_acc.unsqueeze(1),
+                                                                               nxt.unsqueeze(1))  # (C, K+1)
+    seq.scatter_(1, positions.clamp(max=seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
+    step = (n_acc + 1) * live  # (C,) tokens committed: the accepted drafts and the next token
+    cache_lengths += step  # the host cache's KVCache.advance
+    columns = [n_acc, ell, proposed, finite.long(), next_width.expand(C), torch.full_like(n_acc, -1), seq_len + step]
+    return torch.cat([new, torch.stack(columns, dim=1)], dim=1), anchor_pos, step
 
 
 def _finite(logits: torch.Tensor, q: torch.Tensor | None, confidence: torch.Tensor | None) -> torch.Tensor:
