@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.engine.compiled import drafter_fn
 from dspark.engine.jsonio import read_versioned_json, write_json_atomic
 from dspark.engine.protocol import DraftState, Drafter
 from dspark.engine.sampling import SamplingConfig
@@ -376,9 +377,12 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
             ahead = torch.randn(R, draft_length + 1, out.features.shape[-1], device=device, dtype=out.features.dtype) \
                 if out.features is not None else None
             two = torch.full((R,), 2, dtype=torch.long, device=device)
-            runs = [_runner(lambda: drafter.propose(state, draft_length), device, mode, warmup)]
+            # as the engine runs them: compiled on a compiled host (greedy, as `state`: dspark.engine.compiled)
+            propose, observe_fn = ((drafter_fn(drafter, "propose"), drafter_fn(drafter, "observe")) if host.compiling
+                                   else (drafter.propose, drafter.observe))
+            runs = [_runner(lambda: propose(state, draft_length), device, mode, warmup)]
             if type(drafter).observe is not Drafter.observe:  # (the base one does nothing: nothing to time)
-                runs.append(_runner(lambda: drafter.observe(features=ahead, start=filled, n_valid=two, state=state),
+                runs.append(_runner(lambda: observe_fn(features=ahead, start=filled, n_valid=two, state=state),
                                     device, mode, warmup))
             for run, into in zip(runs, (times, observe)):
                 into.extend(_timed(run, device, warmup, repeats))
