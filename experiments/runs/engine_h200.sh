@@ -10,8 +10,10 @@
 #   PHASE=concurrency bash experiments/runs/engine_h200.sh  # concurrency.json: break-even, scheduler vs fixed gamma
 #   PHASE=sps8b bash experiments/runs/engine_h200.sh        # cost_llama8b.json: the random llama-8b SPS(B) table
 #   PHASE=train bash experiments/runs/engine_h200.sh        # a short DSpark + EAGLE-3 training for the speed rows
+#   PHASE=profile bash experiments/runs/engine_h200.sh      # round_profile.json: kernels and ms per round stage
 #
-# tests and sps8b need no staging (random hosts): PHASE="tests sps8b" is a good first call of a fresh machine.
+# tests, profile and sps8b need no staging (random hosts): PHASE="tests profile" is a good first call of a fresh
+# machine.
 #
 # sps8b (issue 22, item 6): the random llama-8b host's verify steps, replayed as CUDA graphs, bf16, at 1..512
 # requests x 1, 2, 4, 8 tokens, with an 8B-shaped DSpark drafter's own propose / observe cost (random weights: a
@@ -36,7 +38,7 @@
 # concurrency read ShareGPT prompts (the default staging, three chunks).
 set -euo pipefail
 OUT=${OUT:?set OUT}
-PHASE=${PHASE:?set PHASE to tests, speed, llama8b, validate, concurrency, sps8b or train}
+PHASE=${PHASE:?set PHASE to tests, profile, speed, llama8b, validate, concurrency, sps8b or train}
 STAGE=${STAGE:-/tmp/dspark-stage}
 mkdir -p "$OUT" /tmp/site
 # the staged wheels and GGUF, where staged (the random-host phases, tests and sps8b, need neither)
@@ -81,7 +83,7 @@ wait_for_training() {  # up to TRAIN_GUARD_S (default 300) seconds; then the pha
   done
 }
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
-case "$phase" in speed|llama8b|validate|concurrency|sps8b) wait_for_training "$phase" ;; esac
+case "$phase" in speed|llama8b|validate|concurrency|sps8b|profile) wait_for_training "$phase" ;; esac
 case "$phase" in
   tests)
     python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_cuda.py} 2>&1 \
@@ -111,6 +113,8 @@ case "$phase" in
     for d in /tmp/dspark-run/*/metrics.jsonl; do
       cp "$d" "$OUT/train_metrics_$(basename "$(dirname "$d")").jsonl"
     done ;;
+  profile)  # where a round's time goes: kernels per stage, eager vs compiled (random host, random drafters)
+    python3 benchmarks/round_profile.py --host "${PROFILE_HOST:-random:smollm2}" --out-dir "$OUT" ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
