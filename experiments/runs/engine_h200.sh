@@ -120,6 +120,6 @@ case "$phase" in
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
       --out "$OUT/cost_llama8b.json" ;;
   *)
-    echo "unknown phase $phase (tests, speed, llama8b, validate, concurrency, sps8b, train)" >&2; exit 2 ;;
+    echo "unknown phase $phase (tests, profile, speed, llama8b, validate, concurrency, sps8b, train)" >&2; exit 2 ;;
 esac
 done
