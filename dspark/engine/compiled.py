@@ -167,8 +167,8 @@ class CompiledLayers:
 
 def drafter_fn(drafter, method: str, greedy: bool = True):
     """The drafter's `propose` or `observe`, through torch.compile when the drafter is tensor-only (`capturable`)
-    and allows it (`compile_whole`), and, for propose, decoding is greedy; else the eager method. Compiled once per drafter object and method (kept
-    on it) and shared by every run.
+    and allows it (`compile_whole`), and, for propose, decoding is greedy; else the eager method. Compiled once per
+    drafter object and method (kept on it) and shared by every run.
 
     why: a captured round's propose stage is a chain of small kernels (a drafter's layers, then K sequential head or
     draft steps over the vocabulary; the n-gram's unfold-compare-max per n), and observe (in the accept stage)
@@ -185,16 +185,9 @@ def drafter_fn(drafter, method: str, greedy: bool = True):
             method == "propose" and not greedy):
         return eager
     key = f"_compiled_{method}"
-    fn = drafter.__dict__.get(key)
-    if fn is None:
-        compiled = torch.compile(eager)
-
-        def fn(*args, **kwargs):
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return compiled(*args, **kwargs)
-
-        drafter.__dict__[key] = fn
-    return fn
+    if key not in drafter.__dict__:
+        drafter.__dict__[key] = compiled(eager)
+    return drafter.__dict__[key]
 
 
 def commit_fn(commit):
@@ -202,16 +195,20 @@ def commit_fn(commit):
     process. why: like the other stages, a round's accept is a chain of small kernels (argmax over the vocabulary,
     the accepted-prefix count, the scatter of the new tokens, the packing of the round's output: 32 at C = 1 on the
     H100, benchmarks/h100/round_profile.json), which inductor fuses. Greedy only, as drafter_fn's propose."""
-    fn = _COMPILED.get(commit)
-    if fn is None:
-        compiled = torch.compile(commit)
-
-        def fn(*args):
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return compiled(*args)
-
-        _COMPILED[commit] = fn
-    return fn
+    if commit not in _COMPILED:
+        _COMPILED[commit] = compiled(commit)
+    return _COMPILED[commit]
 
 
 _COMPILED: dict = {}  # commit_fn's compiled functions, by the function compiled
+
+
+def compiled(fn):
+    """torch.compile(fn), called with dynamo's recompile limit raised to RECOMPILE_LIMIT (see there)."""
+    inner = torch.compile(fn)
+
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return inner(*args, **kwargs)
+
+    return run
