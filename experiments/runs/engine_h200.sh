@@ -86,7 +86,10 @@ for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="t
 case "$phase" in speed|llama8b|validate|concurrency|sps8b|profile) wait_for_training "$phase" ;; esac
 case "$phase" in
   tests)
-    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_engine_cuda.py} 2>&1 \
+    # bounded (TESTS_TIMEOUT_S, default 420 s) so that a slow or hung test leaves the call's later phases time; -rA
+    # and the durations name every test's outcome and the slowest ones in the log
+    timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -rA --durations=15 -p no:cacheprovider \
+      ${TESTS:-tests/test_engine_cuda.py} 2>&1 \
       | tee "$OUT/engine_cuda_tests.log" || true ;;  # a failure is in the log; the call's later phases still run
   speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
     python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile "${SPEED_COMPILE:-both}" ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
