@@ -152,3 +152,23 @@ def test_cache_writes_traced_by_compile_equal_the_eager_scatter():
     torch.compile(writes)(caches[1], k, v, positions)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     assert caches[1].k.abs().sum() > 0
+
+
+def test_repeated_runs_reuse_the_compilations():
+    """Every generate() builds new slots, caches and buffers: the compiled pieces (host layers, the drafter's
+    propose and observe, the commit) must not recompile for them, or a long sweep would hit dynamo's recompile limit
+    and fall back to eager code without a word."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    host = Host(tiny_model("llama"), name="tiny", compile=True)
+    drafter = build_any("dspark", host, None)
+    prompts = random_prompts([5, 12, 7], host.vocab_size, seed=6)
+    graphs = []
+    for _ in range(3):
+        generate(host, prompts, drafter=drafter, draft_length=K, max_new_tokens=[9, 6, 11], concurrency=2,
+                 graphs="static")
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2]
