@@ -1,0 +1,32 @@
+"""benchmarks/round_profile.py on the CPU: the script's smoke test (the GPU run is recorded in RESULTS.md)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("round_profile", ROOT / "benchmarks" / "round_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_round_profile_writes_a_census_and_engine_rows(tmp_path, capsys):
+    script = _script()
+    assert script.main(["--device", "cpu", "--host", "random:tiny-llama", "--methods", "plain", "ngram",
+                        "--compile", "off", "--concurrency", "1", "--new", "4", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "round_profile.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "ngram"}
+    assert "propose" not in rows["plain"]["census"] and rows["ngram"]["census"]["propose"]["kernels"] > 0
+    for row in rows.values():
+        census = row["census"]
+        assert census["verify_w1"]["kernels"] > 0 and census["accept"]["kernels"] > 0
+        assert sum(n for n, _ in census["verify_w1"]["by_name"].values()) == census["verify_w1"]["kernels"]
+        assert row["engine"]["1"]["tok_s"] > 0
+    assert "verify_w8" in rows["ngram"]["census"]  # the n-gram's full width, K + 1
+    assert "| off | ngram | 1 |" in capsys.readouterr().out
