@@ -15,7 +15,7 @@ layers; `both` (the default) runs plain decoding and the llama-8b step both ways
 `_eager_layers` hold the eager-layer numbers) and everything else compiled. Compilation is part of each run's
 warm-up (its `warmup_s`), which the tokens/s exclude.
 
-Drafters: n-gram (model-free); EAGLE-3, DFlash and DSpark are random-initialised unless --checkpoints DIR holds
+Drafters: n-gram (model-free; "ngram-full" the same lookups stated K wide: full_width); EAGLE-3, DFlash and DSpark are random-initialised unless --checkpoints DIR holds
 trained ones (DIR/<name>): their tau is then ~1 and the speculative rows measure the engine's overhead at that tau,
 not a trained drafter's speed-up. Never imported by the package.
 """
@@ -102,8 +102,8 @@ def drafters_for(host, names, checkpoints: Path | None, K: int):
         path = None if checkpoints is None else checkpoint_dir(checkpoints / name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            if name == "ngram":
-                d = build_drafter("ngram", host)
+            if name in ("ngram", "ngram-full"):  # ngram-full: every verify K + 1 wide, rounds fully overlapped
+                d = build_drafter("ngram", host, full_width=name == "ngram-full")
             elif path is not None and path.is_dir():
                 d = build_drafter(name, host, checkpoint=path)
             else:
@@ -112,7 +112,7 @@ def drafters_for(host, names, checkpoints: Path | None, K: int):
                 d = build_drafter(name, host, **overrides)
         if isinstance(d, torch.nn.Module):
             d = d.to(dtype=host.dtype)
-        out[name] = (d, "trained" if path is not None and path.is_dir() else ("model-free" if name == "ngram"
+        out[name] = (d, "trained" if path is not None and path.is_dir() else ("model-free" if name.startswith("ngram")
                                                                               else "random-init"))
     return out
 
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="smollm2")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--spec-concurrency", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--drafters", nargs="+", default=["ngram", "eagle3", "dflash", "dspark"])
+    ap.add_argument("--drafters", nargs="+", default=["ngram", "ngram-full", "eagle3", "dflash", "dspark"],
+                    help="ngram-full: the n-gram drafter with full_width (verify K + 1 wide, no wait for the width)")
     ap.add_argument("--checkpoints", type=Path, default=None)
     ap.add_argument("--max-prompts", type=int, default=256)
     ap.add_argument("--draft-length", type=int, default=7)

@@ -14,10 +14,17 @@ from dspark.engine.protocol import DraftState, Drafter, Proposal
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, full_width: bool = False) -> None:
+        """full_width: state every proposal as K wide (Proposal.width = K) though the lookups' lengths vary. Then the
+        verify forward is always K + 1 wide (the lengths still mask what is verified: the same tokens), but its
+        width is known without reading the device, so on CUDA each round is launched before the last one's copy is
+        read (serve.overlap_allowed); without it the round waits for that copy (the width rides in it). Which pays
+        depends on the host's cost of a wider forward against a launch gap (benchmarks/speed.py times both)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if not isinstance(full_width, bool):
+            raise ValueError(f"full_width must be true or false, got {full_width!r}")
+        self.max_ngram, self.min_ngram, self.full_width = max_ngram, min_ngram, full_width
 
     capturable = True
 
@@ -42,7 +49,7 @@ class NgramDrafter(Drafter):
         offsets = torch.arange(K, device=seq.device)
         tokens = seq.gather(1, (cont.clamp(min=0).unsqueeze(1) + offsets).clamp(max=T - 1))  # (B, K)
         tokens = torch.where(offsets < lengths.unsqueeze(1), tokens, 0)
-        return Proposal(tokens=tokens, lengths=lengths)
+        return Proposal(tokens=tokens, lengths=lengths, width=K if self.full_width else None)
 
     def _lookup(self, ids: list[int], K: int) -> list[int]:
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):

@@ -207,6 +207,47 @@ def test_verify_all_forward_is_only_as_wide_as_the_proposals(name, tiny_host, tm
         assert drafts == verified
 
 
+def test_full_width_ngram_verifies_k_wide_and_overlaps(tiny_host, monkeypatch):
+    """NgramDrafter(full_width=True) states K for its width: every verify forward is K + 1 wide (or the budget's
+    width), the tokens are still the greedy reference's, and the slot engine may then overlap its rounds without
+    waiting for a width (serve.overlap_allowed, on any device when asked)."""
+    from drafters import build_drafter
+    from dspark.engine import serve
+
+    widths = []
+    step = tiny_host.step
+    monkeypatch.setattr(tiny_host, "step", lambda cache, tokens, *a, **kw: (widths.append(tokens.shape[1]),
+                                                                            step(cache, tokens, *a, **kw))[1])
+    prompts = batch8(tiny_host)[2:6]
+    full_k = {}
+    for full in (False, True):
+        widths.clear()
+        drafter = build_drafter("ngram", tiny_host, full_width=full)
+        out = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=12)
+        assert out.token_ids == [greedy_reference(tiny_host, tuple(p), 12) for p in prompts]
+        full_k[full] = sum(w == K + 1 for w in widths[1:])  # forwards K + 1 wide, after the prefill
+        if full:  # K + 1 wide until the first budget nears its end (then min(K, budget - 1) + 1)
+            assert widths[1:4] == [K + 1] * 3 and full_k[True] > len(widths[1:]) // 2
+            overlapped = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=12,
+                                  concurrency=2, graphs="static", overlap=True)  # the graph path, rounds overlapped
+            assert overlapped.token_ids == out.token_ids and overlapped.engine["overlapped"]
+    assert full_k[True] > full_k[False]
+    assert serve.overlap_allowed(_runner_for(tiny_host, drafter), VerifyAll(), K, True) == "known"
+    with pytest.raises(ValueError, match="full_width"):
+        build_drafter("ngram", tiny_host, full_width="yes")
+
+
+def _runner_for(host, drafter):
+    from dspark.engine.graphs import round_runner
+    from dspark.engine.sampling import SamplingConfig
+    from dspark.engine.slots import Slots
+
+    verifier = VerifyAll()
+    verifier.bind(drafter=drafter, K=K)
+    slots = Slots(host, drafter, verifier, capacity=2, max_len=64, sampling=SamplingConfig())
+    return round_runner(slots, host, drafter, verifier, K, graphs="static")
+
+
 # ---- losslessness at T = 1 and top-p: chi-square on the micro host ---------------------------------------------
 
 class FixedLength(Verifier):

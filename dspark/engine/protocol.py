@@ -25,9 +25,9 @@ class Proposal:
     q: torch.Tensor | None = None  # (B, K, V) float32: the exact distributions x was sampled from; None = point mass
     confidence: torch.Tensor | None = None  # (B, K) in [0, 1]: P(x_k survives | x_<k survived)
     lengths: torch.Tensor | None = None  # (B,) long: valid proposals per request (<= K); None = all K
-    # the largest of `lengths` as a Python int, when the drafter knows it without reading the device (n-gram
-    # lookups run on the CPU, MTP-1 always proposes 1); lets verify-all size its forward to what was proposed
-    # without a device sync. None = not known (the loop then reads it from the device when it needs it)
+    # a bound on `lengths` as a Python int, when the drafter knows one without reading the device (MTP-1 always
+    # proposes 1; the n-gram drafter with full_width states K); lets verify-all size its forward without a device
+    # sync. None = not known (the loop then reads the largest length from the device when it needs it)
     width: int | None = None
 
 
