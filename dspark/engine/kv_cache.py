@@ -78,4 +78,4 @@ def index_write(cache: torch.Tensor, layer: int | torch.Tensor, positions: torch
         layer = torch.full((), layer, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device).view(B, 1, 1)
     heads = torch.arange(values.shape[1], device=device).view(1, -1, 1)
-    cache.index_put_((layer, rows, heads, positions.view(B, 1, T)), values)
+    cache.index_put_((layer, rows, heads, positions.reshape(B, 1, T)), values)
