@@ -20,14 +20,17 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.com
 
 
 def _ragged_steps(host: Host, compiled: bool, attend):
-    """A prefill (never compiled), then a 4-wide ragged decode step with taps: (hidden, features, keys)."""
-    prompts = torch.tensor(random_prompts([9, 9, 9], host.vocab_size, seed=4))
+    """A prefill (never compiled), then a 4-wide ragged decode step with taps: (hidden, features, keys, values),
+    on the host's device (tests/test_engine_cuda.py runs it on CUDA)."""
+    device = host.device
+    prompts = torch.tensor(random_prompts([9, 9, 9], host.vocab_size, seed=4), device=device)
     cache = host.new_cache(3, 48)
-    host.step(cache, prompts, torch.tensor([9, 6, 2]), attend=9, compiled=False)
-    cache.advance(torch.tensor([9, 6, 2]))
-    draft = torch.tensor(random_prompts([4, 4, 4], host.vocab_size, seed=5))
-    out = host.step(cache, draft, torch.tensor([4, 1, 3]), taps=(0, 2), attend=attend, compiled=compiled)
-    return out.hidden, out.features, cache.k.clone()
+    host.step(cache, prompts, torch.tensor([9, 6, 2], device=device), attend=9, compiled=False)
+    cache.advance(torch.tensor([9, 6, 2], device=device))
+    draft = torch.tensor(random_prompts([4, 4, 4], host.vocab_size, seed=5), device=device)
+    out = host.step(cache, draft, torch.tensor([4, 1, 3], device=device), taps=(0, 2), attend=attend,
+                    compiled=compiled)
+    return out.hidden, out.features, cache.k.clone(), cache.v.clone()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

@@ -100,6 +100,21 @@ def test_compiled_layers_in_captured_rounds_equal_eager(name, tmp_path):
     assert got.token_ids == want.token_ids
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_compiled_step_writes_the_cache_as_the_eager_layers_on_cuda(kind):
+    """The compiled step's KV write (an index_put_ inside the compiled pieces) and its packed attention output on
+    CUDA (triton kernels, cuDNN's SDPA layouts): hidden states, taps and the whole cache as the eager layers'."""
+    from tests.test_compiled import _ragged_steps
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    host = Host(tiny_model(kind).to("cuda"), name=kind, compile=False)
+    for attend in (None, 16):
+        ref = _ragged_steps(host, False, attend)
+        got = _ragged_steps(host, True, attend)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["dspark", "small-lm"])
 def test_graph_mode_profiles_replayed_steps(cuda_host, name, tmp_path):
     """`profile` and `profile_draft` in their CUDA default time captured graphs, as the slot engine runs them:
