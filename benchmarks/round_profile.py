@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
     drafters = {name: build(name, host) for name in args.methods}
     result = {"host": args.host, "K": K, "new": args.new, "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python benchmarks/round_profile.py " + " ".join(argv or sys.argv[1:]), "rows": []}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for mode in args.compile:

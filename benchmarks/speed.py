@@ -15,7 +15,8 @@ layers; `both` (the default) runs plain decoding and the llama-8b step both ways
 `_eager_layers` hold the eager-layer numbers) and everything else compiled. Compilation is part of each run's
 warm-up (its `warmup_s`), which the tokens/s exclude.
 
-Drafters: n-gram (model-free; "ngram-full" the same lookups stated K wide: full_width); EAGLE-3, DFlash and DSpark are random-initialised unless --checkpoints DIR holds
+Drafters: n-gram (model-free; "ngram-full" the same lookups stated K wide: full_width); EAGLE-3, DFlash and DSpark
+are random-initialised unless --checkpoints DIR holds
 trained ones (DIR/<name>): their tau is then ~1 and the speculative rows measure the engine's overhead at that tau,
 not a trained drafter's speed-up. Never imported by the package.
 """

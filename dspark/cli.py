@@ -191,7 +191,8 @@ def _host(opts: HostOptions):
 
     if opts.deterministic:
         set_deterministic()  # before the host is loaded: cuBLAS reads its workspace setting when CUDA starts
-    return load_host(opts.host, dtype=opts.dtype, device=opts.device, compile={"auto": None, "on": True, "off": False}[opts.compile])
+    compile = {"auto": None, "on": True, "off": False}[opts.compile]  # auto: Host.compiling decides (CUDA)
+    return load_host(opts.host, dtype=opts.dtype, device=opts.device, compile=compile)
 
 
 def check_drafter_flag(d: DecodeOptions) -> None:
