@@ -3,8 +3,8 @@
     python benchmarks/round_profile.py --out-dir DIR [--host random:smollm2] [--concurrency 1 8]
 
 For each method (plain, n-gram, DFlash, DSpark, EAGLE-3; the drafters random-initialised in the shapes of
-experiments/runs/smollm2_h200.py: 3 backbone layers, Markov head of rank 256 with confidences, EAGLE-3 with 7 draft
-steps) and each of --compile off / on (the host's decode steps and, greedy, the drafter's propose through
+experiments/runs/smollm2_h200.py unless --checkpoints holds trained ones: --backbone-layers 5, the Markov head of
+rank 256 with confidences, EAGLE-3 with 7 draft steps; the recorded H100 census ran 3 backbone layers) and each of --compile off / on (the host's decode steps and, greedy, the drafter's propose through
 torch.compile: dspark.engine.compiled):
   - a closed-loop engine run (CUDA graphs, bf16, greedy, --new tokens per request): tokens/s, tau, rounds per
     second and the CUDA-event split of a round into draft / verify / accept;
@@ -40,15 +40,24 @@ K = 7
 METHODS = ("plain", "ngram", "dflash", "dspark", "eagle3")
 
 
-def build(name: str, host):
+def build(name: str, host, backbone_layers: int, checkpoints: Path | None):
+    """The drafter `name`: trained from checkpoints/<name> when that folder exists, else random-initialised in
+    the recipe's shape (experiments/runs/smollm2_h200.py: DSpark and DFlash on `backbone_layers`, EAGLE-3 TTT K)."""
     if name == "plain":
         return None
     from drafters import build_drafter
+    from dspark.api import checkpoint_dir
 
+    folder = None if checkpoints is None else checkpoints / name
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # random weights: intended
-        d = build_drafter(name, host, **({"eagle3": dict(ttt_length=K)}.get(name, {})))
+        if folder is not None and folder.is_dir():
+            d = build_drafter(name, host, checkpoint=checkpoint_dir(folder))
+        else:
+            layers = dict(num_layers=backbone_layers)
+            d = build_drafter(name, host, **{"eagle3": dict(ttt_length=K), "dspark": layers,
+                                             "dflash": layers}.get(name, {}))
     return d.to(dtype=host.dtype) if isinstance(d, torch.nn.Module) else d
 
 
@@ -129,9 +138,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="new tokens per request")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (float32, no CUDA events)")
+    ap.add_argument("--backbone-layers", type=int, default=5, help="DSpark / DFlash depth (the recipe's 5)")
+    ap.add_argument("--checkpoints", type=Path, default=None, help="DIR/<drafter>: trained drafters where present")
     args = ap.parse_args(argv)
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
-    drafters = {name: build(name, host) for name in args.methods}
+    drafters = {name: build(name, host, args.backbone_layers, args.checkpoints) for name in args.methods}
     result = {"host": args.host, "K": K, "new": args.new, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

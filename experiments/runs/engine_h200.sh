@@ -117,7 +117,8 @@ case "$phase" in
       cp "$d" "$OUT/train_metrics_$(basename "$(dirname "$d")").jsonl"
     done ;;
   profile)  # where a round's time goes: kernels per stage, eager vs compiled (random host, random drafters)
-    python3 benchmarks/round_profile.py --host "${PROFILE_HOST:-random:smollm2}" --out-dir "$OUT" ;;
+    python3 benchmarks/round_profile.py --host "${PROFILE_HOST:-random:smollm2}" \
+      ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} --out-dir "$OUT" ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
