@@ -4,8 +4,9 @@
 
 For each method (plain, n-gram, DFlash, DSpark, EAGLE-3; the drafters random-initialised in the shapes of
 experiments/runs/smollm2_h200.py unless --checkpoints holds trained ones: --backbone-layers 5, the Markov head of
-rank 256 with confidences, EAGLE-3 with 7 draft steps; the recorded H100 census ran 3 backbone layers) and each of --compile off / on (the host's decode steps and, greedy, the drafter's propose through
-torch.compile: dspark.engine.compiled):
+rank 256 with confidences, EAGLE-3 with 7 draft steps; the recorded H100 census ran 3 backbone layers) and each of
+--compile off / on (the host's decode steps and, greedy, the drafter's propose and observe and the round's commit
+through torch.compile: dspark.engine.compiled):
   - a closed-loop engine run (CUDA graphs, bf16, greedy, --new tokens per request): tokens/s, tau, rounds per
     second and the CUDA-event split of a round into draft / verify / accept;
   - a kernel census of one round's stages run eagerly under torch.profiler at concurrency 1: the number of device

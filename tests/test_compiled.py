@@ -114,7 +114,8 @@ def test_compiled_propose_decodes_the_same_tokens(name):
 
     assert round_module._commit in compiled_module._COMPILED  # and the compiled acceptance and commit
     assert int(got.log.column("proposed").sum()) > 0
-    assert compiled_module.drafter_fn(drafter, "propose", greedy=False) == drafter.propose  # sampled: eager
+    assert compiled_module.drafter_fn(drafter, "propose", fast, greedy=False) == drafter.propose  # sampled: eager
+    assert compiled_module.drafter_fn(drafter, "propose", plain) == drafter.propose  # an eager host: eager
 
 
 def test_compile_defaults_to_cuda_only(monkeypatch):
@@ -133,7 +134,7 @@ def test_small_lm_drafter_is_not_compiled_whole(tmp_path):
     drafter = build_any("small-lm", host, tmp_path)
     assert drafter.lm.compiling  # its LM runs as the host runs
     for method in ("propose", "observe"):
-        assert compiled_module.drafter_fn(drafter, method) == getattr(drafter, method)
+        assert compiled_module.drafter_fn(drafter, method, host) == getattr(drafter, method)
 
 
 def test_cache_writes_traced_by_compile_equal_the_eager_scatter():

@@ -378,8 +378,7 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
                 if out.features is not None else None
             two = torch.full((R,), 2, dtype=torch.long, device=device)
             # as the engine runs them: compiled on a compiled host (greedy, as `state`: dspark.engine.compiled)
-            propose, observe_fn = ((drafter_fn(drafter, "propose"), drafter_fn(drafter, "observe")) if host.compiling
-                                   else (drafter.propose, drafter.observe))
+            propose, observe_fn = drafter_fn(drafter, "propose", host), drafter_fn(drafter, "observe", host)
             runs = [_runner(lambda: propose(state, draft_length), device, mode, warmup)]
             if type(drafter).observe is not Drafter.observe:  # (the base one does nothing: nothing to time)
                 runs.append(_runner(lambda: observe_fn(features=ahead, start=filled, n_valid=two, state=state),

@@ -115,7 +115,8 @@ class CompiledLayers:
         def inputs(host, tokens, positions, key_pos):  # Host._inputs of a decode step: embedding, rotary, masks
             return host._inputs(tokens, positions, key_pos, pack=True)
 
-        self.first, self.mid, self.last, self._inputs = (torch.compile(f) for f in (attn_in, mid, last, inputs))
+        self.first, self.mid, self.last = (torch.compile(f) for f in (attn_in, mid, last))
+        self.inputs = compiled(inputs)  # Host._inputs of a decode step: the embedding, rotary and masks compiled
         self.pre, self.post = [], []
         for i, layer in enumerate(host.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -151,11 +152,6 @@ class CompiledLayers:
                     tapped.append(x)
         return hidden, tapped
 
-    def inputs(self, host, tokens, positions, key_pos):
-        """Host._inputs of a decode step (packed masks), compiled: the embedding, rotary and masks in a few kernels."""
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return self._inputs(host, tokens, positions, key_pos)
-
     def _layer_index(self, device) -> list[torch.Tensor]:
         """Each layer's index as a 0-dim tensor on `device` (made once): the compiled pieces take the layer as a
         tensor, not a Python int they would specialise on (a compilation per layer)."""
@@ -165,9 +161,10 @@ class CompiledLayers:
         return index
 
 
-def drafter_fn(drafter, method: str, greedy: bool = True):
-    """The drafter's `propose` or `observe`, through torch.compile when the drafter is tensor-only (`capturable`)
-    and allows it (`compile_whole`), and, for propose, decoding is greedy; else the eager method. Compiled once per
+def drafter_fn(drafter, method: str, host, greedy: bool = True):
+    """The drafter's `propose` or `observe` as the engine runs it over `host`: through torch.compile when the host
+    runs compiled (Host.compiling), the drafter is tensor-only (`capturable`) and allows it (`compile_whole`), and,
+    for propose, decoding is greedy; else the eager method. Compiled once per
     drafter object and method (kept on it) and shared by every run.
 
     why: a captured round's propose stage is a chain of small kernels (a drafter's layers, then K sequential head or
@@ -181,8 +178,8 @@ def drafter_fn(drafter, method: str, greedy: bool = True):
     Same math as the eager methods up to the rounding of fused kernels: tests/test_compiled.py compares the tokens
     in float32 on the CPU."""
     eager = getattr(drafter, method)
-    if not (getattr(drafter, "capturable", False) and getattr(drafter, "compile_whole", True)) or (
-            method == "propose" and not greedy):
+    whole = getattr(drafter, "capturable", False) and getattr(drafter, "compile_whole", True)
+    if not (host.compiling and whole) or (method == "propose" and not greedy):
         return eager
     key = f"_compiled_{method}"
     if key not in drafter.__dict__:
@@ -190,11 +187,14 @@ def drafter_fn(drafter, method: str, greedy: bool = True):
     return drafter.__dict__[key]
 
 
-def commit_fn(commit):
-    """dspark.engine.round._commit (acceptance and the commit of tokens) through torch.compile, compiled once per
-    process. why: like the other stages, a round's accept is a chain of small kernels (argmax over the vocabulary,
-    the accepted-prefix count, the scatter of the new tokens, the packing of the round's output: 32 at C = 1 on the
+def commit_fn(commit, host, greedy: bool):
+    """dspark.engine.round._commit (acceptance and the commit of tokens) as the engine runs it over `host`: through
+    torch.compile (compiled once per process) when the host runs compiled and decoding is greedy, else itself.
+    why: like the other stages, a round's accept is a chain of small kernels (argmax over the vocabulary, the
+    accepted-prefix count, the scatter of the new tokens, the packing of the round's output: 32 at C = 1 on the
     H100, benchmarks/h100/round_profile.json), which inductor fuses. Greedy only, as drafter_fn's propose."""
+    if not (host.compiling and greedy):
+        return commit
     if commit not in _COMPILED:
         _COMPILED[commit] = compiled(commit)
     return _COMPILED[commit]

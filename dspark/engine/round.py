@@ -62,8 +62,7 @@ def propose(slots, drafter, verifier, K: int) -> Draft:
     state, active = slots.state, slots.active
     C = active.shape[0]
     # a compiled host compiles the drafter's propose too (greedy only: dspark.engine.compiled.drafter_fn)
-    draft = drafter_fn(drafter, "propose", state.sampling.greedy) if slots.host.compiling else drafter.propose
-    proposal = draft(state, K)
+    proposal = drafter_fn(drafter, "propose", slots.host, state.sampling.greedy)(state, K)
     full = torch.full((C,), K, dtype=torch.long, device=active.device)
     proposed = (full if proposal.lengths is None else proposal.lengths.long()) * active  # idle slots offer nothing
     seen = Proposal(tokens=proposal.tokens, q=proposal.q, confidence=proposal.confidence, lengths=proposed)
@@ -147,13 +146,12 @@ def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
     """Stages 4 and 5: acceptance, then the commit, at the verify forward's width L + 1; returns the packed
     (C, K+1+COLUMNS) long round output (the new tokens padded to K + 1, whatever L). A compiled host runs the
     acceptance and the commit of tokens as one compiled function (greedy: dspark.engine.compiled.commit_fn)."""
-    state, active, compiled = slots.state, slots.active, slots.host.compiling
-    commit = commit_fn(_commit) if compiled and state.sampling.greedy else _commit
+    state, active = slots.state, slots.active
+    commit = commit_fn(_commit, slots.host, state.sampling.greedy)
     out, anchor_pos, step = commit(verified.logits, draft.tokens, draft.q, draft.ell, draft.proposed,
                                    draft.next_width, draft.confidence, state.seq, state.seq_len, state.seeds, active,
                                    slots.remaining, slots.cache.lengths, state.sampling)
-    observe = drafter_fn(drafter, "observe") if compiled else drafter.observe
-    observe(features=verified.features, start=anchor_pos, n_valid=step, state=state)
+    drafter_fn(drafter, "observe", slots.host)(features=verified.features, start=anchor_pos, n_valid=step, state=state)
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
