@@ -88,10 +88,21 @@ def engine_run(host, ids, C: int, drafter=None, K: int = 7, overlap: bool | None
     return {"tok_s": s["tokens_per_s"], "tau": s["tau"], "rounds": out.rounds, "seconds": out.seconds,
             "requests": len(ids), "graphs": e["graphs"], "warmup_s": e["warmup_s"],
             "stage_ms_per_round": {k: 1000 * v / max(1, out.rounds) for k, v in e["stage_s"].items()},
+            **cpu_split(out),
             "in_flight_fraction_until_dry": (sum(flight[:full]) / (C * full)) if full else float("nan"),
             "overlapped": e["overlapped"], "ttft_s_mean": sum(out.ttft) / len(out.ttft),
             "latency_s_mean": sum(out.latency) / len(out.latency),
             "tokens": out.token_ids}
+
+
+def cpu_split(out) -> dict:
+    """The CPU's side of a round (ms): its own work (the loop's wall time outside waits for the device's copies:
+    launches, commits, admissions), of which launching admissions, and its waits. Where its own work exceeds the
+    device's round (the stage split), the round is bound by the CPU, and the bookkeeping column is that excess."""
+    e, rounds = out.engine, max(1, out.rounds)
+    wait = e.get("wait_s", 0.0)
+    return {"cpu_ms_per_round": 1000 * (out.seconds - wait) / rounds, "wait_ms_per_round": 1000 * wait / rounds,
+            "admit_ms_per_round": 1000 * e.get("admit_s", 0.0) / rounds, "admissions": e.get("admissions", 0)}
 
 
 def drafters_for(host, names, checkpoints: Path | None, K: int):
@@ -295,23 +306,26 @@ def runs_json(runs: dict) -> dict:
 
 def table(r: dict) -> str:
     lines = ["| method | C | tok/s | tau | ratio to plain | ratio / tau "
-             "| ms/round draft / verify / accept / bookkeeping | graphs | warm-up s | in flight |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | | |")
+             "| ms/round draft / verify / accept / bookkeeping | CPU ms/round own / of it admit | graphs | warm-up s "
+             "| in flight |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | | | |")
     lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} "
-                 f"| | | | | | | |")
+                 f"| | | | | | | | |")
     failed = r.get("hf_custom_generate_error")
     lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | "
-                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | | |")
+                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | | | |")
     for name, rs in r["runs"].items():
         for C, x in rs.items():
             plain = r["runs"]["plain"].get(C, {}).get("tok_s")  # plain variants too: the overlap's, compile's gain
             st = x["stage_ms_per_round"]
             split = " / ".join(f"{st.get(k, float('nan')):.2f}" for k in ("draft", "verify", "accept", "bookkeeping"))
+            cpu = (f"{x['cpu_ms_per_round']:.2f} / {x['admit_ms_per_round']:.2f}" if "cpu_ms_per_round" in x
+                   else "")  # speed.json files written before the CPU split
             ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""
             conversion = f"{x['tok_s'] / plain / x['tau']:.2f}" if plain and not name.startswith("plain") else ""
             lines.append(f"| {name}{' (' + x['drafter'] + ')' if 'drafter' in x else ''} | {C} | {x['tok_s']:.1f} | "
-                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {x['graphs']} | {x['warmup_s']:.2f} | "
+                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {cpu} | {x['graphs']} | {x['warmup_s']:.2f} | "
                          f"{x['in_flight_fraction_until_dry']:.3f} |")
     if "llama8b_step_ms" in r:
         layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"

@@ -96,6 +96,9 @@ class EngineStats:
     drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
     prefill_graphs: int = 0  # of `graphs`, the prefill shapes captured (dspark.engine.prefill)
     admit_s: float = 0.0  # wall seconds launching admissions (prefills, the drafter's admission), capture excluded
+    # wall seconds the CPU waited for the device's copies (rounds, first tokens): the loop's wall time less this is
+    # the CPU's own work (launches, commits, admissions); where that exceeds the device's round, the CPU is the bound
+    wait_s: float = 0.0
     overlapped: bool = False  # rounds launched before the last one was committed (overlap_allowed)
 
 
@@ -193,7 +196,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
         start = time.perf_counter()
         packed = None
         if pending is not None and overlap == "ahead":  # the launch needs what the last round's copy carries
-            packed = pending.copy.wait()
+            packed = _wait(pending.copy, stats)
             ahead, slots.next_width = _carried(packed, K, fresh)
         launched = None
         if slots.in_flight():
@@ -209,10 +212,10 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
             pending, launched = launched, None
         if pending is not None:
             if packed is None:
-                packed = pending.copy.wait()
+                packed = _wait(pending.copy, stats)
                 if overlap is None:  # in order: the next launch uses what this copy carries ("known": nothing)
                     ahead, slots.next_width = _carried(packed, K, fresh)
-            _first_tokens(slots, arriving, sink)
+            _first_tokens(slots, arriving, sink, stats)
             done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
             stats.in_flight.append(live)
             stats.widths.append(pending.L + 1)
@@ -269,15 +272,23 @@ def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats, arriving: 
         arriving.append(Arrivals(HostCopy(first), free, requests, start))
         stats.admit_s += time.perf_counter() - start
         if any(r.limit <= 1 for r in requests):
-            _first_tokens(slots, arriving, sink)
+            _first_tokens(slots, arriving, sink, stats)
     return admitted
 
 
-def _first_tokens(slots: Slots, arriving: list[Arrivals], sink: Sink) -> None:
+def _wait(copy: HostCopy, stats: EngineStats) -> torch.Tensor:
+    """copy.wait(), its blocked time added to stats.wait_s."""
+    start = time.perf_counter()
+    host = copy.wait()
+    stats.wait_s += time.perf_counter() - start
+    return host
+
+
+def _first_tokens(slots: Slots, arriving: list[Arrivals], sink: Sink, stats: EngineStats) -> None:
     """Take the arrivals' first tokens (time to first token, stops, budgets), then forget them. Runs before a
     round that holds them is committed: a request that stopped at its first token then commits none of it."""
     for group in arriving:
-        table = group.copy.wait().tolist()
+        table = _wait(group.copy, stats).tolist()
         now = time.perf_counter()
         bad = [r.index for r, (_, finite) in zip(group.requests, table) if not finite]
         if bad:

@@ -1,0 +1,39 @@
+"""benchmarks/speed.py on the CPU: the script's smoke test (the GPU runs are recorded in benchmarks/RESULTS.md)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("speed", ROOT / "benchmarks" / "speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
+    script = _script()
+    assert script.main(["--device", "cpu", "--host", "random:tiny-llama", "--concurrency", "1", "2",
+                        "--spec-concurrency", "1", "2", "--drafters", "ngram", "--skip-llama8b",
+                        "--max-new-tokens", "6", "--max-prompts", "4", "--compile", "off", "--overlap", "on",
+                        "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "speed.json").read_text())
+    assert result["hf_generate_tok_s"] > 0
+    assert set(result["plain_tok_s"]) == {"1", "2"} and all(v > 0 for v in result["plain_tok_s"].values())
+    ngram = result["speculative"]["ngram"]
+    assert set(ngram["tok_s"]) == set(ngram["tau"]) == {"1", "2"} and all(t >= 1 for t in ngram["tau"].values())
+    for runs in result["runs"].values():
+        for run in runs.values():
+            # the CPU's own time a round: on the CPU nothing is waited for, so it is the whole round
+            assert run["cpu_ms_per_round"] > 0 and run["wait_ms_per_round"] >= 0
+            assert 0 <= run["admit_ms_per_round"] <= run["cpu_ms_per_round"] and run["admissions"] >= 1
+            expected = run["seconds"] * 1000 / run["rounds"] - run["wait_ms_per_round"]
+            assert run["cpu_ms_per_round"] == pytest.approx(expected)
+    out = capsys.readouterr().out
+    assert "| plain | 2 |" in out and "| ngram (model-free) | 1 |" in out
