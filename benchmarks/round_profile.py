@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import load_host  # noqa: E402
 from dspark.engine import round as round_module  # noqa: E402
+from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.protocol import NoDrafter, VerifyAll  # noqa: E402
 from dspark.engine.sampling import SamplingConfig  # noqa: E402
@@ -141,13 +142,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (float32, no CUDA events)")
     ap.add_argument("--backbone-layers", type=int, default=5, help="DSpark / DFlash depth (the recipe's 5)")
     ap.add_argument("--checkpoints", type=Path, default=None, help="DIR/<drafter>: trained drafters where present")
+    ap.add_argument("--sdpa", nargs="+", default=None, choices=sorted(SDPA_BACKENDS),
+                    help="the SDPA backends allowed (default: all, SDPA's own choice); writes round_profile_sdpa-"
+                         "<names>.json")
     args = ap.parse_args(argv)
+    if args.sdpa:
+        restrict_sdpa(args.sdpa)
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
     drafters = {name: build(name, host, args.backbone_layers, args.checkpoints) for name in args.methods}
     result = {"host": args.host, "K": K, "new": args.new, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python benchmarks/round_profile.py " + " ".join(argv or sys.argv[1:]), "rows": []}
+              "command": "python benchmarks/round_profile.py " + " ".join(argv or sys.argv[1:]),
+              "sdpa": args.sdpa or "default", "rows": []}
+    out_file = "round_profile.json" if not args.sdpa else f"round_profile_sdpa-{'-'.join(args.sdpa)}.json"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for mode in args.compile:
         host.compile = mode == "on"
@@ -156,7 +164,7 @@ def main(argv=None) -> int:
             row["engine"] = {C: engine_row(host, drafters[name], C, args.new) for C in args.concurrency}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-            (args.out_dir / "round_profile.json").write_text(json.dumps(result, indent=1))
+            (args.out_dir / out_file).write_text(json.dumps(result, indent=1))
     print(table(result))
     return 0
 

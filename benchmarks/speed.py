@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
+from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
@@ -201,13 +202,18 @@ def main(argv=None) -> int:
                     help="rounds launched before the last one is committed (dspark.engine.serve.overlap_allowed); "
                          "both: plain decoding also in order (runs key plain_in_order)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
+    ap.add_argument("--sdpa", nargs="+", default=None, choices=sorted(SDPA_BACKENDS),
+                    help="the SDPA backends allowed (default: all, SDPA's own choice: cuDNN on Hopper)")
     args = ap.parse_args(argv)
+    if args.sdpa:
+        restrict_sdpa(args.sdpa)
     K = args.draft_length
     NEW = args.max_new_tokens
     command = "python benchmarks/speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "torch": torch.__version__, "python": platform.python_version(), "host": args.host, "command": command}
+           "torch": torch.__version__, "python": platform.python_version(), "host": args.host, "command": command,
+           "sdpa": args.sdpa or "default"}
     import transformers
 
     env["transformers"] = transformers.__version__

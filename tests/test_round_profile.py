@@ -30,3 +30,25 @@ def test_round_profile_writes_a_census_and_engine_rows(tmp_path, capsys):
         assert row["engine"]["1"]["tok_s"] > 0
     assert "verify_w8" in rows["ngram"]["census"]  # the n-gram's full width, K + 1
     assert "| off | ngram | 1 |" in capsys.readouterr().out
+
+
+def test_round_profile_restricts_sdpa_and_names_its_file(tmp_path):
+    import pytest
+    import torch
+
+    from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa
+
+    switches = {name: getattr(torch.backends.cuda, f.replace("enable_", "") + "_enabled")()
+                for name, f in SDPA_BACKENDS.items()}
+    try:
+        assert _script().main(["--device", "cpu", "--host", "random:tiny-llama", "--methods", "plain",
+                               "--compile", "off", "--concurrency", "1", "--new", "2", "--sdpa", "efficient", "math",
+                               "--out-dir", str(tmp_path)]) == 0
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        result = json.loads((tmp_path / "round_profile_sdpa-efficient-math.json").read_text())
+        assert result["sdpa"] == ["efficient", "math"] and result["rows"][0]["engine"]["1"]["tok_s"] > 0
+        with pytest.raises(ValueError, match="SDPA backends must be among"):
+            restrict_sdpa(["fastest"])
+    finally:
+        restrict_sdpa([name for name, on in switches.items() if on])

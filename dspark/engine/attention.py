@@ -44,3 +44,20 @@ def unpack_heads(out: torch.Tensor, num_heads: int, T: int) -> torch.Tensor:
     whatever layout SDPA returned, where reshaping to (B, Hq, T, D) first and transposing after was two."""
     B, Hkv, _, D = out.shape
     return out.reshape(B, Hkv, num_heads // Hkv, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, num_heads * D)
+
+
+#: SDPA's backends by the names of torch.backends.cuda's switches (enable_<name>_sdp)
+SDPA_BACKENDS = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp",
+                 "math": "enable_math_sdp"}
+
+
+def restrict_sdpa(backends) -> None:
+    """Let SDPA choose only among `backends` (names of SDPA_BACKENDS) in this process, before anything compiles
+    (torch.compile picks the kernel when it traces). For the benchmarks to compare them on one card: with a mask,
+    which every step here has, SDPA prefers cuDNN on Hopper, whose call adds a memset kernel per layer
+    (benchmarks/h100/compiled_round/round_profile.json: 30 of a 30-layer step's 346 kernels)."""
+    unknown = set(backends) - set(SDPA_BACKENDS)
+    if unknown or not backends:
+        raise ValueError(f"SDPA backends must be among {sorted(SDPA_BACKENDS)}, got {list(backends)}")
+    for name, switch in SDPA_BACKENDS.items():
+        getattr(torch.backends.cuda, switch)(name in backends)
