@@ -54,8 +54,8 @@ SDPA_BACKENDS = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient
 def restrict_sdpa(backends) -> None:
     """Let SDPA choose only among `backends` (names of SDPA_BACKENDS) in this process, before anything compiles
     (torch.compile picks the kernel when it traces). For the benchmarks to compare them on one card: with a mask,
-    which every step here has, SDPA prefers cuDNN on Hopper, whose call adds a memset kernel per layer
-    (benchmarks/h100/compiled_round/round_profile.json: 30 of a 30-layer step's 346 kernels)."""
+    which every step here has, SDPA prefers cuDNN on Hopper, whose call adds a memset kernel per layer; the
+    memory-efficient kernel, tried instead, was slower (benchmarks/RESULTS.md, "SDPA backend")."""
     unknown = set(backends) - set(SDPA_BACKENDS)
     if unknown or not backends:
         raise ValueError(f"SDPA backends must be among {sorted(SDPA_BACKENDS)}, got {list(backends)}")
