@@ -147,9 +147,13 @@ class InjectionLayer(nn.Module):
         return self._kv(self.input_layernorm(ctx) if self.norm_context else ctx, cos, sin)
 
     def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
-                context: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+                context: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask,
+                cache: tuple[KVCache, int, torch.Tensor] | None = None) -> torch.Tensor:
         """Block x (B, S, H) -> (B, S, H). context: (k, v) (B, Hkv, C, D) or None; mask additive (B, 1, S, C+S),
-        or the BlockMask of the same allowed keys (`block_training_mask(..., sparse=True)`)."""
+        or the BlockMask of the same allowed keys (`block_training_mask(..., sparse=True)`). In decoding, `cache`
+        = (KVCache, this layer's index, the block's positions (B, S)) instead of context: the block's keys and
+        values are written into the cache at those positions and the attention reads the cache alone, mask
+        (B, 1, S, W) over its W positions (`cached_block_mask`)."""
         B, S, _ = x.shape
         shape = self.shape
         h = self.input_layernorm(x)
@@ -158,7 +162,11 @@ class InjectionLayer(nn.Module):
             q = self.q_norm(q)
         q = rope(q.transpose(1, 2), cos, sin)  # (B, Hq, S, D)
         k, v = self._kv(h, cos, sin)  # (B, Hkv, S, D)
-        if context is not None:
+        if cache is not None:
+            kv, index, positions = cache
+            kv.write(index, k, v, positions)
+            k, v = kv.k[index], kv.v[index]  # (B, Hkv, W, D)
+        elif context is not None:
             k = torch.cat([context[0], k], dim=2)  # (B, Hkv, C+S, D)
             v = torch.cat([context[1], v], dim=2)
         gqa = shape.num_heads != shape.num_kv_heads
@@ -195,10 +203,12 @@ class InjectionStack(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                mask: torch.Tensor | BlockMask) -> torch.Tensor:
-        """Block x (B, S, H) -> final-normed hidden (B, S, H). context: per-layer (k, v) or None."""
+                mask: torch.Tensor | BlockMask, cache: tuple[KVCache, torch.Tensor] | None = None) -> torch.Tensor:
+        """Block x (B, S, H) -> final-normed hidden (B, S, H). context: per-layer (k, v) or None; or, decoding,
+        cache = (KVCache of every layer's context, the block's positions (B, S)): InjectionLayer's `cache`."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos=cos, sin=sin, context=None if context is None else context[i], mask=mask)
+            x = layer(x, cos=cos, sin=sin, context=None if context is None else context[i], mask=mask,
+                      cache=None if cache is None else (cache[0], i, cache[1]))
         return self.norm(x)
 
 
@@ -206,6 +216,18 @@ def cached_context(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's (k, v) (B, Hkv, W, D) over the whole cache. why the whole cache: a fixed shape (capturable);
     positions at or past each row's length are masked, so stale or padding entries never leak."""
     return [(cache.k[i], cache.v[i]) for i in range(cache.k.shape[0])]
+
+
+def cached_block_mask(context_len: torch.Tensor, *, width: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, S, W) for S = `block` slots written into a cache of W positions at context_len + s: the
+    same keys as inference_mask's (cached positions < context_len (B,) and the whole block), where they sit then.
+    why a block in the cache: attending over [context; block] concatenates every layer's whole cache at each
+    propose (a copy of the cache per layer and round), and W + S keys, unaligned, make SDPA pad the mask per call;
+    the block's positions are past the context, overwritten by the next observe before anything else reads them."""
+    key_pos = torch.arange(width, device=context_len.device)  # (W,)
+    start = context_len.unsqueeze(1)  # (B, 1)
+    allowed = key_pos < start + block  # (B, W): the context, then the block right after it
+    return additive_mask(allowed.unsqueeze(1).expand(-1, block, width), dtype)
 
 
 def inference_mask(context_len: torch.Tensor, *, width: int, block: int, dtype: torch.dtype) -> torch.Tensor:

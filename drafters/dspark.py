@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from drafters.base import TrainBatch, TrainOutput
-from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_context, inference_mask,
+from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_block_mask,
                              sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import (checkpointed_chunks, chunk_rows, confidence_bce, distill_terms, per_position_mean,
@@ -191,8 +191,11 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     # ---- decoding -------------------------------------------------------------------------------------------
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
+        # room for a block past the longest context (propose writes it there), in whole multiples of 64 positions
+        # as the engine's own caches (SDPA's fused kernels pad an unaligned key length's mask at every call)
+        width = -(-(max_len + self.config.gamma) // 64) * 64
         self.cache = KVCache(num_layers=self.config.num_layers, batch_size=batch_size,
-                             num_kv_heads=host.num_kv_heads, max_len=max_len, head_dim=host.head_dim,
+                             num_kv_heads=host.num_kv_heads, max_len=width, head_dim=host.head_dim,
                              dtype=self.dtype, device=host.device)
 
     @torch.no_grad()
@@ -216,8 +219,9 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         x = self._block_input(anchor)  # (B, gamma, H)
         positions = self.cache.lengths.unsqueeze(1) + torch.arange(gamma, device=anchor.device)  # (B, gamma)
         cos, sin = self.shared.rotary(x, positions)
-        mask = inference_mask(self.cache.lengths, width=self.cache.max_len, block=gamma, dtype=x.dtype)
-        h = self.backbone(x, cos=cos, sin=sin, context=cached_context(self.cache), mask=mask)  # (B, gamma, H)
+        mask = cached_block_mask(self.cache.lengths, width=self.cache.max_len, block=gamma, dtype=x.dtype)
+        # the block's keys go into the cache at its positions, past the context (cached_block_mask)
+        h = self.backbone(x, cos=cos, sin=sin, context=None, mask=mask, cache=(self.cache, positions))  # (B, γ, H)
         U = self.shared.logits(h[:, :K])  # (B, K, V)
 
         greedy = state.sampling.greedy

@@ -150,6 +150,32 @@ def test_training_path_matches_decoding_path(tiny_host):
                                    atol=1e-5, rtol=1e-4)
 
 
+def test_block_in_the_cache_equals_the_concatenated_context(tiny_host, prompts):
+    """propose writes the block's keys into the drafter's cache past each row's context and attends over the cache
+    alone: the same hidden states as attending over [whole cache; block] with inference_mask, rows of different
+    context lengths, and the committed context left as it was."""
+    from drafters.blocks import cached_block_mask, cached_context, inference_mask
+
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(tiny_host, DSparkConfig(head="markov", **SMALL))
+    state = primed(drafter, tiny_host, prompts[:3], anchors=[5, 6, 7])
+    cache, gamma = drafter.cache, drafter.config.gamma
+    assert cache.max_len % 64 == 0 and int(cache.lengths.max()) + gamma <= cache.max_len
+    x = drafter._block_input(state.anchor)
+    positions = cache.lengths.unsqueeze(1) + torch.arange(gamma)
+    cos, sin = drafter.shared.rotary(x, positions)
+    with torch.no_grad():
+        want = drafter.backbone(x, cos=cos, sin=sin, context=cached_context(cache),
+                                mask=inference_mask(cache.lengths, width=cache.max_len, block=gamma, dtype=x.dtype))
+        before = [(cache.k[:, b, :, :n].clone(), cache.v[:, b, :, :n].clone())
+                  for b, n in enumerate(cache.lengths.tolist())]
+        got = drafter.backbone(x, cos=cos, sin=sin, context=None, cache=(cache, positions),
+                               mask=cached_block_mask(cache.lengths, width=cache.max_len, block=gamma, dtype=x.dtype))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(cache.lengths.tolist()):
+        assert torch.equal(cache.k[:, b, :, :n], before[b][0]) and torch.equal(cache.v[:, b, :, :n], before[b][1])
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_proposals_are_distributions(name, tiny_host, prompts):
     drafter = make(name, tiny_host)
