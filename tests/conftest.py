@@ -1,7 +1,9 @@
 """Shared fixtures: tiny randomly initialised hosts (seconds on a CPU), and the real SmolLM2 host for `slow` tests."""
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 tune_cpu_allocator()  # as the `dspark` commands do: large CPU tensors reuse freed memory instead of re-faulting it
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str, name: str | None = None):
+    """A script of the repository that is no package module (benchmarks/, experiments/runs/) as a fresh module."""
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_model(kind: str = "llama", *, vocab: int = 128, hidden: int = 64, layers: int = 4, seed: int = 0):

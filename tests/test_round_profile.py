@@ -1,18 +1,13 @@
 """benchmarks/round_profile.py on the CPU: the script's smoke test (the GPU run is recorded in RESULTS.md)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("round_profile", ROOT / "benchmarks" / "round_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/round_profile.py")
 
 
 def test_round_profile_writes_a_census_and_engine_rows(tmp_path, capsys):

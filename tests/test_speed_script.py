@@ -1,20 +1,15 @@
 """benchmarks/speed.py on the CPU: the script's smoke test (the GPU runs are recorded in benchmarks/RESULTS.md)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("speed", ROOT / "benchmarks" / "speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/speed.py")
 
 
 def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
