@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.api import load_host  # noqa: E402
 from dspark.engine import round as round_module  # noqa: E402
 from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa  # noqa: E402
+from dspark.engine.compiled import set_inductor  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.protocol import NoDrafter, VerifyAll  # noqa: E402
 from dspark.engine.sampling import SamplingConfig  # noqa: E402
@@ -144,18 +145,23 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoints", type=Path, default=None, help="DIR/<drafter>: trained drafters where present")
     ap.add_argument("--sdpa", nargs="+", default=None, choices=sorted(SDPA_BACKENDS),
                     help="the SDPA backends allowed (default: all, SDPA's own choice); writes round_profile_sdpa-"
-                         "<names>.json")
+                         "<names>.json (with --inductor, its settings join the name too)")
+    ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config options for the compiled pieces, e.g. combo_kernels=True")
     args = ap.parse_args(argv)
     if args.sdpa:
         restrict_sdpa(args.sdpa)
+    inductor = set_inductor(args.inductor)
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
     drafters = {name: build(name, host, args.backbone_layers, args.checkpoints) for name in args.methods}
     result = {"host": args.host, "K": K, "new": args.new, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python benchmarks/round_profile.py " + " ".join(argv or sys.argv[1:]),
-              "sdpa": args.sdpa or "default", "rows": []}
-    out_file = "round_profile.json" if not args.sdpa else f"round_profile_sdpa-{'-'.join(args.sdpa)}.json"
+              "sdpa": args.sdpa or "default", "inductor": inductor, "rows": []}
+    tag = "".join([f"_sdpa-{'-'.join(args.sdpa)}" if args.sdpa else "",
+                   "".join(f"_{k}-{v}" for k, v in inductor.items())])
+    out_file = f"round_profile{tag}.json"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for mode in args.compile:
         host.compile = mode == "on"

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
 from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa  # noqa: E402
+from dspark.engine.compiled import set_inductor  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
@@ -204,16 +205,19 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
     ap.add_argument("--sdpa", nargs="+", default=None, choices=sorted(SDPA_BACKENDS),
                     help="the SDPA backends allowed (default: all, SDPA's own choice: cuDNN on Hopper)")
+    ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config options for the compiled pieces, e.g. combo_kernels=True")
     args = ap.parse_args(argv)
     if args.sdpa:
         restrict_sdpa(args.sdpa)
+    inductor = set_inductor(args.inductor)
     K = args.draft_length
     NEW = args.max_new_tokens
     command = "python benchmarks/speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "host": args.host, "command": command,
-           "sdpa": args.sdpa or "default"}
+           "sdpa": args.sdpa or "default", "inductor": inductor}
     import transformers
 
     env["transformers"] = transformers.__version__

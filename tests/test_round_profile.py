@@ -27,7 +27,7 @@ def test_round_profile_writes_a_census_and_engine_rows(tmp_path, capsys):
     assert "| off | ngram | 1 |" in capsys.readouterr().out
 
 
-def test_round_profile_restricts_sdpa_and_names_its_file(tmp_path):
+def test_round_profile_sets_sdpa_and_inductor_and_names_its_file(tmp_path):
     import pytest
     import torch
 
@@ -35,14 +35,21 @@ def test_round_profile_restricts_sdpa_and_names_its_file(tmp_path):
 
     switches = {name: getattr(torch.backends.cuda, f.replace("enable_", "") + "_enabled")()
                 for name, f in SDPA_BACKENDS.items()}
+    import torch._inductor.config as inductor
+
     try:
-        assert _script().main(["--device", "cpu", "--host", "random:tiny-llama", "--methods", "plain",
-                               "--compile", "off", "--concurrency", "1", "--new", "2", "--sdpa", "efficient", "math",
-                               "--out-dir", str(tmp_path)]) == 0
+        with inductor.patch(combo_kernels=False):  # restored after: main sets it for the whole process
+            assert _script().main(["--device", "cpu", "--host", "random:tiny-llama", "--methods", "plain",
+                                   "--compile", "off", "--concurrency", "1", "--new", "2", "--sdpa", "efficient",
+                                   "math", "--inductor", "combo_kernels=True", "--out-dir", str(tmp_path)]) == 0
+            assert inductor.combo_kernels is True
         assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-        result = json.loads((tmp_path / "round_profile_sdpa-efficient-math.json").read_text())
-        assert result["sdpa"] == ["efficient", "math"] and result["rows"][0]["engine"]["1"]["tok_s"] > 0
+        result = json.loads((tmp_path / "round_profile_sdpa-efficient-math_combo_kernels-True.json").read_text())
+        assert result["sdpa"] == ["efficient", "math"] and result["inductor"] == {"combo_kernels": True}
+        assert result["rows"][0]["engine"]["1"]["tok_s"] > 0
+        with pytest.raises(ValueError, match="no option"):
+            _script().main(["--device", "cpu", "--inductor", "combo_kernel=True", "--out-dir", str(tmp_path)])
         with pytest.raises(ValueError, match="SDPA backends must be among"):
             restrict_sdpa(["fastest"])
     finally:

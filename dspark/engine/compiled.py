@@ -203,6 +203,31 @@ def commit_fn(commit, host, greedy: bool):
 _COMPILED: dict = {}  # commit_fn's compiled functions, by the function compiled
 
 
+def set_inductor(settings) -> dict:
+    """Set torch._inductor.config options for this process from "key=value" strings (values as Python literals,
+    e.g. "combo_kernels=True"), before anything compiles; returns them parsed. For the benchmarks to try inductor's
+    options on one card (benchmarks/round_profile.py and speed.py, --inductor); an unknown key is an error."""
+    import ast
+
+    import torch._inductor.config as config
+
+    parsed = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"inductor settings are key=value, got {item!r}")
+        try:
+            parsed[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"inductor setting {key}: {value!r} is not a Python literal") from None
+    for key, value in parsed.items():
+        if key not in config._config:  # config's own list of options (dotted for sub-configs, e.g. triton.cudagraphs)
+            raise ValueError(f"torch._inductor.config has no option {key!r}")
+        owner, _, attr = key.rpartition(".")
+        setattr(getattr(config, owner) if owner else config, attr, value)
+    return parsed
+
+
 def compiled(fn):
     """torch.compile(fn), called with dynamo's recompile limit raised to RECOMPILE_LIMIT (see there)."""
     inner = torch.compile(fn)

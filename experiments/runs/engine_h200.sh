@@ -26,7 +26,8 @@
 # TESTS the test files of the tests phase; SPEED_COMPILE (on, off, default both) speed.py's --compile; HOST8B and
 # SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager). SDPA (e.g.
 # SDPA=efficient) the SDPA backends that the profile and speed phases allow (profile: round_profile_sdpa-<names>.json;
-# speed: $OUT/speed-sdpa-<names>/speed.json), PROFILE_METHODS and PROFILE_COMPILE the profile's --methods and --compile.
+# speed: $OUT/speed-sdpa-<names>/speed.json); INDUCTOR (e.g. INDUCTOR=combo_kernels=True) torch._inductor.config
+# options for both; PROFILE_METHODS and PROFILE_COMPILE the profile's --methods and --compile.
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
@@ -84,6 +85,8 @@ wait_for_training() {  # up to TRAIN_GUARD_S (default 300) seconds; then the pha
     sleep 10; waited=$((waited + 10))
   done
 }
+tag="${SDPA:+-sdpa-${SDPA// /-}}${INDUCTOR:+-${INDUCTOR// /-}}"  # the speed phase's folder for these settings
+tag=${tag//=/-}
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
 case "$phase" in speed|llama8b|validate|concurrency|sps8b|profile) wait_for_training "$phase" ;; esac
 case "$phase" in
@@ -95,9 +98,9 @@ case "$phase" in
       | tee "$OUT/engine_cuda_tests.log" || true ;;  # a failure is in the log; the call's later phases still run
   speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
     python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile "${SPEED_COMPILE:-both}" ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
-      ${SDPA:+--sdpa $SDPA} --skip-llama8b --out-dir "/tmp/speedrun${SDPA:+-${SDPA// /-}}" || true
-    dest="$OUT${SDPA:+/speed-sdpa-${SDPA// /-}}"  # with SDPA, beside the default's files
-    mkdir -p "$dest" && cp "/tmp/speedrun${SDPA:+-${SDPA// /-}}"/speed*.json "$dest"/ ;;
+      ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} --skip-llama8b --out-dir "/tmp/speedrun$tag" || true
+    dest="$OUT${tag:+/speed$tag}"  # with SDPA or INDUCTOR, beside the default's files
+    mkdir -p "$dest" && cp "/tmp/speedrun$tag"/speed*.json "$dest"/ ;;
   llama8b)
     python3 benchmarks/speed.py --only-llama8b --compile "${SPEED_COMPILE:-both}" --out-dir /tmp/speedrun
     cp /tmp/speedrun/speed*.json "$OUT"/ ;;
@@ -121,7 +124,7 @@ case "$phase" in
     done ;;
   profile)  # where a round's time goes: kernels per stage, eager vs compiled (random host, random drafters)
     python3 benchmarks/round_profile.py --host "${PROFILE_HOST:-random:smollm2}" \
-      ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} ${SDPA:+--sdpa $SDPA} \
+      ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} \
       ${PROFILE_METHODS:+--methods $PROFILE_METHODS} ${PROFILE_COMPILE:+--compile $PROFILE_COMPILE} --out-dir "$OUT" ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
