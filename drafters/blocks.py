@@ -222,8 +222,9 @@ def cached_block_mask(context_len: torch.Tensor, *, width: int, block: int, dtyp
     """Additive (B, 1, S, W) for S = `block` slots written into a cache of W positions at context_len + s: the
     same keys as inference_mask's (cached positions < context_len (B,) and the whole block), where they sit then.
     why a block in the cache: attending over [context; block] concatenates every layer's whole cache at each
-    propose (a copy of the cache per layer and round), and W + S keys, unaligned, make SDPA pad the mask per call;
-    the block's positions are past the context, overwritten by the next observe before anything else reads them."""
+    propose (a copy of the cache per layer and round), and W + S keys, unaligned, make SDPA pad the mask per call.
+    The block's positions are past the context: every other read masks them until observe overwrites them with
+    committed context (the drafter's cache holds a block of room past its longest context, DSparkDrafter.begin)."""
     key_pos = torch.arange(width, device=context_len.device)  # (W,)
     start = context_len.unsqueeze(1)  # (B, 1)
     allowed = key_pos < start + block  # (B, W): the context, then the block right after it
