@@ -158,8 +158,10 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     # ---- the sequential head (DSPARK.md §2.3) -------------------------------------------------------------------
 
-    def head_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None) -> HeadStep:
-        """One position k: B_k and c_k from x_{k-1} (...,) and the backbone hidden h_k (..., H)."""
+    def head_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None,
+                  conf_hidden: torch.Tensor | None = None) -> HeadStep:
+        """One position k: B_k and c_k from x_{k-1} (...,) and the backbone hidden h_k (..., H). conf_hidden: h_k's
+        part of the confidence logit with the bias (`confidence_hidden`), computed beforehand for every k."""
         cfg = self.config
         e = None if cfg.head == "none" else self.W1(prev)  # (..., r) W1[x_{k-1}]
         bias = None
@@ -175,9 +177,21 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
             state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
             bias = self.W2(torch.tanh(o))
         conf = None
-        if cfg.confidence:
+        if cfg.confidence and conf_hidden is not None:  # the same linear map, split: h's part given, e's added
+            w_e = self.confidence_head.weight[0, h.shape[-1]:]  # (r,)
+            conf = conf_hidden if e is None else conf_hidden + (e * w_e).sum(-1)
+        elif cfg.confidence:
             conf = self.confidence_head(h if e is None else torch.cat([h, e], dim=-1)).squeeze(-1)  # (...,)
         return HeadStep(bias=None if bias is None else bias.float(), conf_logit=conf, state=state)
+
+    def confidence_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The hidden states' part of the confidence logits, bias included: h (..., H) -> (...,). why split off in
+        decoding: the head's linear over [h_k; e_k] was, at each of the K sequential steps, a concatenation and a
+        matrix-vector product (cuBLAS's dot and reduce kernels every step on CUDA, 14 of DSpark's 149-kernel compiled
+        propose: benchmarks/h100/compiled_round/round_profile.json); h's part is one product for every k at once,
+        and e's a dot product that inductor can fuse with e's lookup."""
+        head = self.confidence_head
+        return h @ head.weight[0, : h.shape[-1]] + head.bias[0]
 
     def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[embed(x0), mask, ..., mask] for anchors (...,): (..., gamma, H)."""
@@ -229,9 +243,10 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         q = None if greedy else U.new_zeros(U.shape)  # (B, K, V)
         c = U.new_zeros(B, K) if cfg.confidence else None  # (B, K)
         prev, s = anchor, None
+        conf_h = self.confidence_hidden(h[:, :K]) if cfg.confidence else None  # (B, K)
         # why a Python loop: x_k depends on the sampled x_{k-1}; each step is only the head (K small)
         for k in range(K):
-            step = self.head_step(prev, h[:, k], s)
+            step = self.head_step(prev, h[:, k], s, None if conf_h is None else conf_h[:, k])
             logits = U[:, k] if step.bias is None else U[:, k] + step.bias  # (B, V)
             if greedy:
                 prev = logits.argmax(-1)

@@ -150,6 +150,24 @@ def test_training_path_matches_decoding_path(tiny_host):
                                    atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
+def test_split_confidence_equals_the_confidence_head(head, tiny_host):
+    """propose's confidence logits, the hidden part computed for every k at once (confidence_hidden) and e's part
+    added per step, equal the confidence head's linear map over [h_k; e_k] (training's form)."""
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(tiny_host, DSparkConfig(head=head, confidence=True, **SMALL))
+    h = torch.randn(3, 4, tiny_host.hidden_size)
+    prev = torch.randint(0, tiny_host.vocab_size, (3, 4))
+    with torch.no_grad():
+        split = drafter.confidence_hidden(h)
+        s_full = s_split = None
+        for k in range(4):
+            full = drafter.head_step(prev[:, k], h[:, k], s_full)
+            part = drafter.head_step(prev[:, k], h[:, k], s_split, split[:, k])
+            torch.testing.assert_close(part.conf_logit, full.conf_logit, atol=1e-6, rtol=1e-5)
+            s_full, s_split = full.state, part.state
+
+
 def test_block_in_the_cache_equals_the_concatenated_context(tiny_host, prompts):
     """propose writes the block's keys into the drafter's cache past each row's context and attends over the cache
     alone: the same hidden states as attending over [whole cache; block] with inference_mask, rows of different
