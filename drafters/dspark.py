@@ -239,9 +239,11 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         U = self.shared.logits(h[:, :K])  # (B, K, V)
 
         greedy = state.sampling.greedy
-        tokens = anchor.new_zeros(B, K)  # (B, K)
         q = None if greedy else U.new_zeros(U.shape)  # (B, K, V)
-        c = U.new_zeros(B, K) if cfg.confidence else None  # (B, K)
+        # why lists stacked at the end rather than writes into (B, K) tensors: compiled, a step's argmax can write
+        # straight into the stacked result (EAGLE-3's did in the H100 census, benchmarks/h100/compiled_round/
+        # round_profile.json), where DSpark's writes into slices showed as kernels of their own
+        tokens, confs = [], []
         prev, s = anchor, None
         conf_h = self.confidence_hidden(h[:, :K]) if cfg.confidence else None  # (B, K)
         # why a Python loop: x_k depends on the sampled x_{k-1}; each step is only the head (K small)
@@ -252,11 +254,12 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
                 prev = logits.argmax(-1)
             else:
                 q[:, k], prev = state.draw(logits, k)
-            tokens[:, k] = prev
-            if c is not None:
-                c[:, k] = torch.sigmoid(step.conf_logit.float())
+            tokens.append(prev)
+            if cfg.confidence:
+                confs.append(torch.sigmoid(step.conf_logit.float()))
             s = step.state
-        return Proposal(tokens=tokens, q=q, confidence=c)
+        c = (torch.stack(confs, 1) if confs else U.new_zeros(B, 0)) if cfg.confidence else None  # (B, K)
+        return Proposal(tokens=torch.stack(tokens, 1) if tokens else anchor.new_zeros(B, 0), q=q, confidence=c)
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)
