@@ -38,7 +38,7 @@ from drafters.checkpoint import Checkpointable, HostFields, with_host
 from drafters.losses import (checkpointed_chunks, chunk_rows, confidence_bce, distill_terms, per_position_mean,
                              position_weights, weight_total, weighted_mean)
 from dspark.engine.host import document_positions
-from dspark.engine.kv_cache import KVCache
+from dspark.engine.kv_cache import KVCache, aligned_length
 from dspark.engine.protocol import DraftState, Drafter, Proposal
 from dspark.engine.sampling import STREAM_ANCHOR, uniform
 
@@ -205,9 +205,8 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     # ---- decoding -------------------------------------------------------------------------------------------
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
-        # room for a block past the longest context (propose writes it there), in whole multiples of 64 positions
-        # as the engine's own caches (SDPA's fused kernels pad an unaligned key length's mask at every call)
-        width = -(-(max_len + self.config.gamma) // 64) * 64
+        # room for a block past the longest context (propose writes it there), aligned as the engine's own caches
+        width = aligned_length(max_len + self.config.gamma)
         self.cache = KVCache(num_layers=self.config.num_layers, batch_size=batch_size,
                              num_kv_heads=host.num_kv_heads, max_len=width, head_dim=host.head_dim,
                              dtype=self.dtype, device=host.device)

@@ -13,6 +13,13 @@ from __future__ import annotations
 import torch
 
 
+def aligned_length(n: int) -> int:
+    """n positions rounded up to a multiple of 64, the width every decode cache is allocated with. why: a captured
+    round attends over the whole cache, and SDPA's fused kernels copy a padded mask per call (each layer) when the
+    key length is not a multiple of their alignment (16 or more)."""
+    return -(-n // 64) * 64
+
+
 class KVCache:
     """Keys and values of every layer for a batch of requests."""
 

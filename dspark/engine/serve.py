@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.graphs import round_runner
+from dspark.engine.kv_cache import aligned_length
 from dspark.engine.results import RoundLog
 from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, SEQ_LEN, VERIFIED
 from dspark.engine.slots import Request, Slots
@@ -172,10 +173,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     """Decode every request with at most `concurrency` in flight, writing into `sink`; `overlap` as in
     overlap_allowed (None: on OVERLAP_DEVICES)."""
     C = max(1, min(concurrency, len(requests)))
-    max_len = max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2
-    # why a multiple of 64: a captured round attends over the whole cache, and SDPA's fused kernels copy a padded
-    # mask per call (each layer) when the key length is not a multiple of their alignment (16 or more)
-    max_len = -(-max_len // 64) * 64
+    max_len = aligned_length(max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2)
     use_graphs = host.device.type == "cuda" if graphs is None else graphs
     slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling,
                   prefill=prefill_mode(use_graphs))
