@@ -6,7 +6,6 @@ a `background` driver holds later phases back until it ends.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "runs" / "qwen_coder_h200.py"
@@ -36,9 +37,7 @@ def _driver(tmp_path, monkeypatch, **env):
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    spec = importlib.util.spec_from_file_location("qwen_coder_h200", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("experiments/runs/qwen_coder_h200.py")
     module.RUN.mkdir(parents=True)
     return module
 

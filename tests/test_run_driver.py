@@ -6,15 +6,13 @@ final metrics record and checkpoint, as `dspark train` does) or die the way the 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 FINISH = """
 import json, pathlib, sys, time
@@ -46,9 +44,7 @@ def driver(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the module extends it: undo afterwards
     for name in ("ONLY", "SIDE_BY_SIDE", "DRY_RUN", "STEPS", "TRAIN_WAIT_S"):
         monkeypatch.delenv(name, raising=False)
-    spec = importlib.util.spec_from_file_location("smollm2_h200", ROOT / "experiments/runs/smollm2_h200.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("experiments/runs/smollm2_h200.py")
     module.RUN.mkdir(parents=True)
     monkeypatch.setattr(module, "POLL_S", 0.2)
     events = tmp_path / "events.txt"
@@ -98,9 +94,7 @@ def test_failure_causes(driver):
 def test_side_by_side_caps_each_process_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("RUN", str(tmp_path / "run"))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    spec = importlib.util.spec_from_file_location("smollm2_h200_share", ROOT / "experiments/runs/smollm2_h200.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("experiments/runs/smollm2_h200.py", "smollm2_h200_share")
     cmd = module._train_command("eagle3", ["ttt_length=7"], 0.317)
     assert "torch.cuda.set_per_process_memory_fraction(0.317)" in cmd[2]
     assert cmd[-2:] == ["--drafter-args", "ttt_length=7"]
