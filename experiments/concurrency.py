@@ -18,13 +18,19 @@ keeps C requests in flight on the slot engine, a queued request entering as soon
 the prompts in successive static batches of C (requests that finish early are not replaced). max(num_prompts, C)
 requests are decoded at each C.
 Scheduler policies need an SPS(B) table: --cost-table, or one is profiled on this host first (OUT_DIR/cost.json).
+
+The JSON is rewritten after every C (`"partial": true` until the last), so a run cut short keeps what it measured.
+A sweep too long for one sitting runs as several (e.g. --concurrency 1 4 16 64, then 256 512, each profiling the
+SPS(B) table at its own C) and `--merge A/concurrency.json B/concurrency.json --out-dir DIR` joins them
+into one document (break-even over every C; each source's command and environment kept under `sources`).
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, check_settings, cost_table,
                                 drafter_path, envelope, figure, is_plain, load_prompts, plot_log_x, result_row,
@@ -46,6 +52,8 @@ class ConcurrencyOptions:
     engine: str = field(default="continuous", metadata={
         "help": "continuous (closed loop, C in flight) or static-batch (batches of C, no refill)"})
     data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
+    merge: list[str] = field(default_factory=list, metadata={
+        "help": "concurrency.json files of one sweep run in parts: join their rows into OUT_DIR (nothing decoded)"})
 
 
 def check(opts: ConcurrencyOptions) -> None:
@@ -53,8 +61,10 @@ def check(opts: ConcurrencyOptions) -> None:
     backend(opts.engine)
 
 
-def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[list[int]], out_dir: Path) -> dict:
-    """Decode every setting at every C; returns {"rows", "skipped"} (rows already carry speedup over plain)."""
+def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[list[int]], out_dir: Path,
+            progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Decode every setting at every C; returns {"rows", "skipped"} (rows already carry speedup over plain).
+    `progress`, when given, receives the same kind of dict after every C but the last."""
     check(opts)
     decode = backend(opts.engine)
     costed = any(p in ("scheduler", "lagged") for p in opts.policies)
@@ -86,8 +96,53 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
                 rows.append(row)
                 print(f"C={C:4d} {setting_key(row):24s} tau {row['tau']:.2f} {row['tokens_per_s']:.1f} tok/s",
                       flush=True)
+        if progress is not None and C != opts.concurrency[-1]:
+            so_far = [dict(r) for r in rows]
+            add_speedup(so_far)
+            progress({"rows": so_far, "skipped": list(skipped)})
     add_speedup(rows)
     return {"rows": rows, "skipped": skipped}
+
+
+def merge(paths: list[str]) -> dict:
+    """One concurrency document from several runs of one sweep split over C: rows and skipped joined, speedup and
+    Pareto recomputed. A partial source (a run cut short) adds the C it finished. Refuses a (setting, C) measured
+    twice and sources whose settings differ in anything but the concurrency list (host, prompts, tokens, seeds,
+    drafters, policies, draft lengths)."""
+    docs = []
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("experiment") != "concurrency":
+            raise ValueError(f"{path} is not a concurrency.json (experiment {doc.get('experiment')!r})")
+        docs.append(doc)
+    if not docs:
+        raise ValueError("--merge needs at least one concurrency.json")
+
+    def comparable(doc: dict) -> dict:
+        return {"host": doc["host"], **{k: v for k, v in doc["settings"].items()
+                                        if k not in ("concurrency", "out_dir", "cost_table", "merge")}}
+    for path, doc in zip(paths[1:], docs[1:]):
+        if comparable(doc) != comparable(docs[0]):
+            diff = sorted(k for k in comparable(doc) if comparable(doc)[k] != comparable(docs[0]).get(k))
+            raise ValueError(f"{path} was run with other settings than {paths[0]} ({', '.join(diff)})")
+    rows, seen = [], set()
+    for path, doc in zip(paths, docs):
+        for r in doc["rows"]:
+            key = (setting_key(r), r["concurrency"])
+            if key in seen:
+                raise ValueError(f"{path} measures {key[0]} at C = {key[1]} again")
+            seen.add(key)
+            rows.append({k: v for k, v in r.items() if k not in ("speedup", "pareto")})
+    rows.sort(key=lambda r: r["concurrency"])
+    add_speedup(rows)
+    merged = dict(docs[0])
+    merged["settings"] = {**docs[0]["settings"], "concurrency": sorted({r["concurrency"] for r in rows})}
+    merged.pop("partial", None)
+    merged.update(rows=rows, skipped=[s for doc in docs for s in doc.get("skipped", [])],
+                  sources=[{"path": str(p), "command": d["command"], "environment": d["environment"],
+                            "partial": bool(d.get("partial"))}
+                           for p, d in zip(paths, docs)])
+    return merged
 
 
 def add_speedup(rows: list[dict]) -> None:
@@ -141,6 +196,10 @@ def render(doc: dict, out: Path) -> Section:
     text = (f"Engine: {', '.join(described.get(e, e) for e in engines)}" + "\n\n" + table
             + "\n\n**Break-even concurrency** (from this C on, no faster than plain decoding):\n\n"
               "| setting | C |\n|---|---|\n" + even + "\n")
+    if doc.get("partial"):
+        text = "**Partial result**: the run stopped before its last concurrency.\n\n" + text
+    if doc.get("sources"):
+        text += "\nJoined from " + ", ".join(f"`{s['command']}`" for s in doc["sources"]) + "\n"
     if doc.get("skipped"):
         text += "\nSkipped: " + "; ".join(f"{s['method']} γ{s['draft_length']} ({s['reason']})"
                                           for s in doc["skipped"][:5]) + "\n"
@@ -206,11 +265,21 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     h, run, opts = parse([HostOptions, RunOptions, ConcurrencyOptions], argv, prog="dspark experiment concurrency")
+    if opts.merge:
+        doc = merge(opts.merge)
+        doc["command"] = "dspark experiment concurrency " + " ".join(argv)
+        doc["break_even"] = break_even(doc["rows"])
+        path = write_result(doc, run.out_dir, render)
+        print(f"wrote {path} from {len(opts.merge)} runs; break-even concurrency: {doc['break_even']}")
+        return 0
     check(opts)
     host = _host(h)
     prompts = load_prompts(host, opts.data, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
     doc = envelope("concurrency", argv=argv, host=host, options=[h, run, opts])
-    doc.update(measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir)))
+
+    def checkpoint(part: dict) -> None:  # a run cut short (a device call's time limit) keeps the C it finished
+        write_result({**doc, **part, "break_even": break_even(part["rows"]), "partial": True}, run.out_dir, render)
+    doc.update(measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir), progress=checkpoint))
     doc["break_even"] = break_even(doc["rows"])
     path = write_result(doc, run.out_dir, render)
     print(f"wrote {path}; break-even concurrency: {doc['break_even']}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark.cli import main as cli
-from experiments.concurrency import add_speedup, break_even
+from experiments.concurrency import add_speedup, break_even, merge
 from experiments.savings import savings
 from experiments.simulator import Pricing, simulate
 from verifiers import build_verifier
@@ -81,6 +81,50 @@ def test_concurrency_writes_rows_break_even_and_plots(concurrency_dir):
     names = {p.name for p in concurrency_dir.iterdir()}
     assert {"concurrency.md", "concurrency_throughput.png", "concurrency_pareto.png", "concurrency_budget.png"} <= names
     assert "Engine: continuous (C requests in flight" in (concurrency_dir / "concurrency.md").read_text()
+
+
+def test_concurrency_merges_a_sweep_run_in_parts(concurrency_dir, tmp_path):
+    whole = load(concurrency_dir / "concurrency.json")
+    parts = []
+    for C in (1, 2):  # the sweep as if run in two calls, one C each
+        part = {**whole, "rows": [r for r in whole["rows"] if r["concurrency"] == C],
+                "settings": {**whole["settings"], "concurrency": [C]}}
+        parts.append(tmp_path / f"part{C}.json")
+        parts[-1].write_text(json.dumps(part))
+    run("experiment", "concurrency", "--merge", *map(str, parts), "--out-dir", str(tmp_path / "joined"))
+    joined = load(tmp_path / "joined" / "concurrency.json")
+    assert joined["break_even"] == whole["break_even"]
+    key = lambda r: (r["method"], r["policy"], r["draft_length"], r["concurrency"])  # noqa: E731
+    assert sorted(joined["rows"], key=key) == sorted(whole["rows"], key=key)
+    assert [s["path"] for s in joined["sources"]] == [str(p) for p in parts]
+    assert "Joined from" in (tmp_path / "joined" / "concurrency.md").read_text()
+    with pytest.raises(ValueError, match="at C = 1 again"):
+        merge([str(parts[0]), str(parts[0])])
+    other = json.loads(parts[1].read_text())
+    other["settings"]["max_new_tokens"] = 99
+    parts[1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"other settings .*\(max_new_tokens\)"):
+        merge([str(p) for p in parts])
+
+
+def test_concurrency_keeps_the_finished_c_when_a_run_is_cut_short(cost_path, tmp_path, monkeypatch):
+    import experiments.concurrency as runner
+
+    decode = runner.backend("continuous")
+
+    def cut_at_two(host, prompts, *, concurrency, **kw):
+        if concurrency == 2:
+            raise KeyboardInterrupt  # what a device call's time limit does to the run
+        return decode(host, prompts, concurrency=concurrency, **kw)
+    monkeypatch.setattr(runner, "backend", lambda name: cut_at_two)
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli(["experiment", "concurrency", *SMALL, "--drafters", "ngram", "--policies", "full", "--draft-lengths", "3",
+             "--concurrency", "1", "2", "--cost-table", str(cost_path), "--out-dir", str(tmp_path)])
+    doc = load(tmp_path / "concurrency.json")
+    assert doc["partial"] and {r["concurrency"] for r in doc["rows"]} == {1}
+    assert {r["method"] for r in doc["rows"]} == {"plain", "ngram"}
+    assert "Partial result" in (tmp_path / "concurrency.md").read_text()
 
 
 def test_concurrency_profiles_a_cost_table_when_none_is_given(tmp_path):

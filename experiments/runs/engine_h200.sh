@@ -109,12 +109,15 @@ case "$phase" in
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-length 7 \
       --concurrency ${CONC:-1 8 64} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" ;;
-  concurrency)  # 1 + drafters x 4 decodes per C, max(C, NUM_PROMPTS) requests each: split CONC over calls if slow
+  concurrency)  # 1 + drafters x 4 decodes per C, max(C, NUM_PROMPTS) requests each. Split CONC over calls if slow
+    # (e.g. CONC="1 4 16 64", then CONC="256 512"; each call profiles the SPS(B) table at its own C): the JSON is
+    # rewritten after every C, and `python -m experiments concurrency --merge A/concurrency.json B/concurrency.json
+    # --out-dir DIR` joins the calls' results
     python3 -m experiments concurrency --host "${HOST:-smollm2}" "${compile[@]}" \
       --drafters ${DRAFTERS:-ngram dspark eagle3} \
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
-      --out-dir "$OUT" ;;
+      --out-dir "$OUT" || true ;;
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
     ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-480} RUN=/tmp/dspark-run \
       REGEN_FROM=experiments/data/sharegpt_smollm2_regen.jsonl.gz \
