@@ -155,9 +155,10 @@ def test_in_flight_stays_at_concurrency_until_the_queue_runs_dry(tiny_host):
     # verifies the draft proposed at the end of the round before, whose longest length rode in that round's copy
     ("ngram", "full", lambda rounds: 1),
     ("dspark-trained", "threshold", lambda rounds: 1),
+    ("dspark-trained", "scheduler", lambda rounds: 1),  # its widths too (a CostModel's lengths are capturable)
     # its capacity is decided a round ahead and rides in the round's copy; the first two rounds have no history
     ("dspark-trained", "lagged", lambda rounds: 2),
-], ids=["full-K", "full-mtp", "full-ngram", "threshold", "lagged"])
+], ids=["full-K", "full-mtp", "full-ngram", "threshold", "scheduler", "lagged"])
 @RUNNERS
 def test_device_to_host_copies_per_round(tiny_host, monkeypatch, drafter_name, verifier_name, width_reads_of, graphs,
                                         overlap):
@@ -375,18 +376,38 @@ def test_overlapped_rounds_stop_and_refill_slots_as_the_in_order_loop(tiny_host,
     assert overlapped.batches > 2  # slots were refilled
 
 
+@RUNNERS
 @pytest.mark.parametrize("verifier_name", ["scheduler", "lagged"])
-def test_gated_schedulers_keep_the_greedy_tokens_overlapped(tiny_host, monkeypatch, verifier_name):
+def test_gated_schedulers_keep_the_greedy_tokens_overlapped(tiny_host, monkeypatch, verifier_name, graphs):
     """With their draft gates on (plain rounds while drafting does not pay), overlapped: the gate learns of each
-    round one round later, which changes which rounds draft but never a token (greedy)."""
+    round one round later, which changes which rounds draft but never a token (greedy). A plain round is launched
+    without waiting for the last round's copy, and the draft a round proposed ahead is dropped when the next round
+    is plain (the scheduler's lookahead)."""
     monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu"))
     drafter, prompts = drafter_of("dspark-trained", tiny_host), prompts_of(tiny_host)
     verifier = build_verifier(verifier_name, cost_table=CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0}))
     got = generate(tiny_host, prompts, drafter=drafter, verifier=verifier, draft_length=K, max_new_tokens=LIMITS,
-                   seeds=SEEDS, concurrency=2)
+                   seeds=SEEDS, concurrency=2, graphs=graphs)
     assert got.engine["overlapped"] and 0 < got.engine["drafted_rounds"] < got.rounds  # the gate skipped some
     for i, p in enumerate(prompts):
         assert got.token_ids[i] == solo(tiny_host, drafter, build_verifier("full"), p, LIMITS[i], SEEDS[i], GREEDY)
+
+
+@RUNNERS
+@pytest.mark.parametrize("drafter_name", ["ngram", "dspark-trained"])
+def test_a_draft_proposed_ahead_is_dropped_before_a_plain_round(tiny_host, drafter_name, graphs):
+    """A gate that drafts every third round (EveryThird): each drafted round proposes the next draft at its end
+    (lookahead), the plain round after it drops that draft, and the next drafted round proposes afresh: the eager
+    loop's tokens, greedy and sampled (rounds in order)."""
+    from tests.test_draft_gate import EveryThird
+
+    drafter, prompts = drafter_of(drafter_name, tiny_host), prompts_of(tiny_host)
+    for sampling in (GREEDY, T1):
+        runs = [generate(tiny_host, prompts, drafter=drafter, verifier=EveryThird(), draft_length=K,
+                         max_new_tokens=LIMITS, sampling=sampling, seeds=SEEDS, engine=engine, graphs=g)
+                for engine, g in (("eager", None), ("slots", graphs))]
+        assert runs[0].token_ids == runs[1].token_ids
+        assert 0 < runs[1].engine["drafted_rounds"] < runs[1].rounds
 
 
 def test_generate_takes_overlap(tiny_host):

@@ -228,6 +228,9 @@ class PrefixScheduler(_Gated):
 
     def __init__(self, cost: SPS, *, calibrator: STSCalibrator | None = None, gate: bool = True) -> None:
         self.cost, self.calibrator = cost, calibrator
+        # lengths() is tensor-only with a CostModel (its interpolation grid is built on the device at the first
+        # call, before any capture); a table or another callable may read values back, a calibrator is not vetted
+        self.capturable = calibrator is None and isinstance(cost, CostModel)
         self._init_gate(cost, gate)
 
     def lengths(self, proposal: Proposal, K: int) -> torch.Tensor:

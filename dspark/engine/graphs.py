@@ -24,7 +24,6 @@ import time
 
 import torch
 
-from dspark.engine.protocol import Verifier
 from dspark.engine.round import AHEAD, Draft, accept, drafts_to_verify, no_draft, propose, verify, width_bucket, \
     width_on_cpu
 
@@ -35,14 +34,16 @@ LOOKAHEAD_DEVICES = ("cuda",)
 
 
 def lookahead_allowed(verifier) -> bool:
-    """Whether a runner may propose the next round's draft at the end of this round, after its commit: the verifier
-    drafts every round (the base `draft_next`) and its lengths depend on the draft alone (`capturable`: no Python
-    state), so that draft is exactly the one the next round would make at its start. Nothing happens in between
-    but the CPU's commit, retirements (a retired slot's lengths can only widen the forward, never change a token)
-    and admissions (after which the runner proposes afresh). why: when the verify width depends on device values
-    (n-gram lengths, the threshold), the draft's longest length then rides in this round's copy, and the next
-    round needs no device read of its own: one device-to-host copy per round."""
-    return type(verifier).draft_next is Verifier.draft_next and getattr(verifier, "capturable", False)
+    """Whether a runner may propose the next round's draft at the end of a drafted round, after its commit: the
+    verifier's lengths depend on the draft alone (`capturable`: no Python state), so that draft is exactly the one
+    the next round would make at its start. Nothing happens in between but the CPU's commit, retirements (a retired
+    slot's lengths can only widen the forward, never change a token) and admissions (after which the runner
+    proposes afresh). A verifier with a draft gate (`draft_next`, the schedulers) may make the next round a plain
+    one: that round overwrites the draft unused (no_draft) and its copy carries AHEAD = -1, so the next drafted
+    round proposes afresh; a gate that stops drafting wastes one propose. why: when the verify width depends on
+    device values (n-gram lengths, the threshold, the scheduler's widths), the draft's longest length then rides in
+    this round's copy, and the next round needs no device read of its own: one device-to-host copy per round."""
+    return getattr(verifier, "capturable", False)
 
 
 class EagerRound:

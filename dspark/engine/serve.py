@@ -193,12 +193,13 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     while slots.in_flight() or pending is not None:
         start = time.perf_counter()
         packed = None
-        if pending is not None and overlap == "ahead":  # the launch needs what the last round's copy carries
-            packed = _wait(pending.copy, stats)
+        # decided from finished rounds only (Verifier.draft_next); overlapped, from the rounds before the last
+        drafting = K > 0 and bool(slots.in_flight()) and verifier.draft_next()
+        if pending is not None and overlap == "ahead" and drafting:  # the launch needs the last round's copy
+            packed = _wait(pending.copy, stats)  # (a plain round needs nothing from it: launched without the wait)
             ahead, slots.next_width = _carried(packed, K, fresh)
         launched = None
         if slots.in_flight():
-            drafting = K > 0 and verifier.draft_next()  # decided from finished rounds only (Verifier.draft_next)
             out, draft, L = runner(drafting, ahead if drafting and ahead >= 0 else None)
             # the round's device-to-host copy (the only one but in a round after an admission), and its confidences
             # for the log, taken before the next round's propose rewrites the draft buffers
