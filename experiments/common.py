@@ -154,11 +154,20 @@ def build_policy(host, policy: str, *, draft_length: int, path: str | None, thre
                             cost_table=cost if policy in ("scheduler", "lagged") else None)
 
 
+def workload_context(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The cached positions per request that a cost table should be timed at for these prompts: the longest prompt
+    plus the new tokens, the cache the slot engine allocates for them (its CUDA-graph rounds attend that whole
+    cache, so at large C its reads, not the verify width, set a round's cost)."""
+    return max((len(p) for p in prompts), default=0) + max_new_tokens
+
+
 def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths: list[int], out_dir: Path,
-               drafters: dict | None = None):
-    """The SPS(M) table: loaded from `path`, else profiled now on this host, timed at a short cached context as these
-    smoke-sized runs decode; plus the draft cost of every (name, gamma) drafter of `drafters` it lacks (the
-    schedulers' draft gate prices it). Saved as OUT_DIR/cost.json (a loaded `path` is never rewritten)."""
+               drafters: dict | None = None, context: int = 32):
+    """The SPS(M) table: loaded from `path`, else profiled now on this host at `context` cached positions per
+    request (the runners pass `workload_context`); plus the draft cost of every (name, gamma) drafter of
+    `drafters` it lacks (the schedulers' draft gate prices it). Saved as OUT_DIR/cost.json (a loaded `path` is
+    never rewritten). why the context matters: a table timed at 32 positions priced SmolLM2's rounds at C = 512 on
+    the H200 as if the cache were free, and the scheduler verified drafts that cost more than they bought."""
     from verifiers.cost_model import CostModel, draft_key, profile, profile_draft
 
     sizes = sorted(set(concurrency))
@@ -166,14 +175,14 @@ def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths:
         cost = CostModel.load(path, expect_host=host.name, expect_device=host.device)
     else:
         tokens = sorted({1, 2, 4, 8} | {g + 1 for g in draft_lengths})
-        cost = profile(host, batch_sizes=sizes, tokens_per_request=tokens, repeats=3, warmup=1, context=32)
+        cost = profile(host, batch_sizes=sizes, tokens_per_request=tokens, repeats=3, warmup=1, context=context)
     for (name, gamma), drafter in (drafters or {}).items():
         trained = trained_length(drafter)
         if draft_key(drafter, gamma) in cost.draft or (name in ("dspark", "dflash") and trained is not None
                                                        and gamma > trained):
             continue
         cost.draft[draft_key(drafter, gamma)] = profile_draft(host, drafter, batch_sizes=sizes, draft_length=gamma,
-                                                              context=32, repeats=3, warmup=1)
+                                                              context=context, repeats=3, warmup=1)
     out_dir.mkdir(parents=True, exist_ok=True)
     cost.save(out_dir / "cost.json")
     return cost
@@ -194,6 +203,18 @@ def continuous_decode(host, prompts, *, drafter, verifier, draft_length: int, co
     (continuous batching, as serving benchmarks run with a maximum concurrency)."""
     return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency)
+
+
+def warmed(decode: Callable[..., GenerationResult]) -> Callable[..., GenerationResult]:
+    """`decode` preceded, on CUDA, by an untimed short decode of the same setting (its first C prompts, at most 8
+    new tokens), as benchmarks/speed.py warms each run: the first decode of a setting at a new C otherwise pays
+    first-use costs (kernel selection, allocator growth, lazy inits) inside its timed window. The CUDA graphs it
+    captures are per decode and already left out of the timing (their warm-up is subtracted)."""
+    def run(host, prompts, *, concurrency: int, max_new_tokens: int, **kw) -> GenerationResult:
+        if torch.device(host.device).type == "cuda":
+            decode(host, prompts[:concurrency], concurrency=concurrency, max_new_tokens=min(8, max_new_tokens), **kw)
+        return decode(host, prompts, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
+    return run
 
 
 #: engine name -> decode function

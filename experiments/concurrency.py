@@ -34,7 +34,8 @@ from typing import Callable, Optional
 
 from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, check_settings, cost_table,
                                 drafter_path, envelope, figure, is_plain, load_prompts, plot_log_x, result_row,
-                                sampling_config, setting_key, trained_length, write_result)
+                                sampling_config, setting_key, trained_length, warmed, workload_context,
+                                write_result)
 
 
 @dataclass
@@ -66,11 +67,12 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
     """Decode every setting at every C; returns {"rows", "skipped"} (rows already carry speedup over plain).
     `progress`, when given, receives the same kind of dict after every C but the last."""
     check(opts)
-    decode = backend(opts.engine)
+    decode = warmed(backend(opts.engine))
     costed = any(p in ("scheduler", "lagged") for p in opts.policies)
     drafters = build_drafters(host, opts.drafters, run.drafter_paths, opts.draft_lengths)
     cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths,
-                      out_dir=out_dir, drafters=drafters) if costed else None
+                      out_dir=out_dir, drafters=drafters,
+                      context=workload_context(prompts, run.max_new_tokens)) if costed else None
     common = dict(max_new_tokens=run.max_new_tokens, sampling=sampling_config(run.temperature), seed=run.seed)
     rows, skipped = [], []
     for C in opts.concurrency:

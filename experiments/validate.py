@@ -34,8 +34,9 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings, cost_table,
-                                drafter_path, envelope, figure, load_prompts, sampling_config, write_result)
+from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings,
+                                continuous_decode, cost_table, drafter_path, envelope, figure, load_prompts,
+                                sampling_config, warmed, workload_context, write_result)
 
 NAME = "simulator_validation"
 
@@ -59,7 +60,6 @@ def _check(opts: ValidateOptions) -> None:
 
 
 def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[int]], out_dir: Path) -> dict:
-    from dspark.engine.decode import generate
     from experiments.simulator import Pricing, simulate, trace_from_result
     from verifiers import build_verifier
     from verifiers.cost_model import draft_key
@@ -68,12 +68,14 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
     K = opts.draft_length
     drafters = {name: d for (name, _), d in build_drafters(host, opts.drafters, run.drafter_paths, [K]).items()}
     cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=[K], out_dir=out_dir,
-                      drafters={(name, K): d for name, d in drafters.items()})
+                      drafters={(name, K): d for name, d in drafters.items()},
+                      context=workload_context(prompts, run.max_new_tokens))
     sampling = sampling_config(run.temperature)
 
     def decode(batch, drafter, verifier, C):
-        return generate(host, batch, drafter=drafter, verifier=verifier, draft_length=K if drafter else 0,
-                        max_new_tokens=run.max_new_tokens, sampling=sampling, seed=run.seed, concurrency=C)
+        return warmed(continuous_decode)(host, batch, drafter=drafter, verifier=verifier,
+                                         draft_length=K if drafter else 0, max_new_tokens=run.max_new_tokens,
+                                         sampling=sampling, seed=run.seed, concurrency=C)
 
     def policy(name: str, drafter_name: str):
         return build_policy(host, name, draft_length=K, path=drafter_path(run.drafter_paths, drafter_name, K),

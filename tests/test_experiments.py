@@ -9,7 +9,9 @@ import warnings
 import pytest
 import torch
 
+import dspark
 from dspark.cli import main as cli
+from experiments.common import load_prompts, warmed, workload_context
 from experiments.concurrency import add_speedup, break_even, merge
 from experiments.savings import savings
 from experiments.simulator import Pricing, simulate
@@ -132,6 +134,22 @@ def test_concurrency_profiles_a_cost_table_when_none_is_given(tmp_path):
         "ngram", "--policies", "scheduler", "--draft-lengths", "2", "--concurrency", "2", "--out-dir", str(tmp_path))
     cost = CostModel.load(tmp_path / "cost.json", expect_host=HOST, expect_device="cpu")
     assert cost.tokens[0] >= 1 and len(load(tmp_path / "concurrency.json")["rows"]) == 2
+    # timed at the cache these prompts decode in (the longest prompt + the new tokens), not a fixed short context
+    prompts = load_prompts(dspark.load_host(HOST), "sharegpt", 2, seed=0)
+    assert cost.context == workload_context(prompts, 4) == max(map(len, prompts)) + 4
+
+
+def test_timed_decodes_are_warmed_up_on_cuda_only():
+    calls = []
+
+    def decode(host, prompts, *, concurrency, max_new_tokens, **kw):
+        calls.append((len(prompts), max_new_tokens))
+        return "result"
+    for device, want in (("cpu", [(6, 64)]), ("cuda", [(2, 8), (6, 64)])):
+        calls.clear()
+        host = type("FakeHost", (), {"device": device})()
+        assert warmed(decode)(host, [[1]] * 6, concurrency=2, max_new_tokens=64, drafter=None) == "result"
+        assert calls == want
 
 
 def test_concurrency_runs_every_drafter_family_side_by_side(tmp_path, cost_path):
