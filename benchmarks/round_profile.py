@@ -34,6 +34,7 @@ from dspark.engine import round as round_module  # noqa: E402
 from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa  # noqa: E402
 from dspark.engine.compiled import set_inductor  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
+from dspark.engine.kv_cache import aligned_length  # noqa: E402
 from dspark.engine.protocol import NoDrafter, VerifyAll  # noqa: E402
 from dspark.engine.sampling import SamplingConfig  # noqa: E402
 from dspark.engine.slots import Request, Slots  # noqa: E402
@@ -69,8 +70,8 @@ def prompts(host, n: int, length: int = 120) -> list[list[int]]:
     return [torch.randint(10, host.vocab_size, (length + 7 * (i % 6),), generator=g).tolist() for i in range(n)]
 
 
-def engine_row(host, drafter, C: int, new: int) -> dict:
-    ids = prompts(host, 6 if C == 1 else 4 * C)
+def engine_row(host, drafter, C: int, new: int, prompt_length: int = 120) -> dict:
+    ids = prompts(host, 6 if C == 1 else 4 * C, prompt_length)
     kw = dict(drafter=drafter, draft_length=K, concurrency=C)
     generate(host, ids[:C], max_new_tokens=8, **kw)  # warm-up: compilation and capture
     sync()
@@ -113,13 +114,14 @@ def census(fn) -> dict:
             "by_name": {name: [counts[name], round(times[name], 4)] for name, _ in times.most_common()}}
 
 
-def stage_census(host, drafter) -> dict:
+def stage_census(host, drafter, prompt_length: int = 120) -> dict:
     drafter = drafter or NoDrafter()
     K_ = 0 if isinstance(drafter, NoDrafter) else K
     verifier = VerifyAll()
     verifier.bind(drafter=drafter, K=K_)
-    slots = Slots(host, drafter, verifier, capacity=1, max_len=320, sampling=SamplingConfig())
-    slots.admit([0], [Request(index=0, prompt=prompts(host, 1)[0], limit=150, seed=0)])
+    slots = Slots(host, drafter, verifier, capacity=1, max_len=aligned_length(prompt_length + 200),
+                  sampling=SamplingConfig())
+    slots.admit([0], [Request(index=0, prompt=prompts(host, 1, prompt_length)[0], limit=150, seed=0)])
     taps = drafter.feature_layers
     out = {}
     if K_:
@@ -139,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
     ap.add_argument("--new", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--prompt-length", type=int, default=120, help="tokens per (random) prompt, +0..35: the context "
+                    "a round attends (ShareGPT's held-out prompts run to 512)")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (float32, no CUDA events)")
     ap.add_argument("--backbone-layers", type=int, default=5, help="DSpark / DFlash depth (the recipe's 5)")
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
     inductor = set_inductor(args.inductor)
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
     drafters = {name: build(name, host, args.backbone_layers, args.checkpoints) for name in args.methods}
-    result = {"host": args.host, "K": K, "new": args.new, "torch": torch.__version__,
+    result = {"host": args.host, "K": K, "new": args.new, "prompt_length": args.prompt_length, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python benchmarks/round_profile.py " + " ".join(argv or sys.argv[1:]),
@@ -166,8 +170,9 @@ def main(argv=None) -> int:
     for mode in args.compile:
         host.compile = mode == "on"
         for name in args.methods:
-            row = {"compile": mode, "method": name, "census": stage_census(host, drafters[name])}
-            row["engine"] = {C: engine_row(host, drafters[name], C, args.new) for C in args.concurrency}
+            row = {"compile": mode, "method": name, "census": stage_census(host, drafters[name], args.prompt_length)}
+            row["engine"] = {C: engine_row(host, drafters[name], C, args.new, args.prompt_length)
+                             for C in args.concurrency}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             (args.out_dir / out_file).write_text(json.dumps(result, indent=1))

@@ -13,8 +13,10 @@ def _script():
 def test_round_profile_writes_a_census_and_engine_rows(tmp_path, capsys):
     script = _script()
     assert script.main(["--device", "cpu", "--host", "random:tiny-llama", "--methods", "plain", "ngram",
-                        "--compile", "off", "--concurrency", "1", "--new", "4", "--out-dir", str(tmp_path)]) == 0
+                        "--compile", "off", "--concurrency", "1", "--new", "4", "--prompt-length", "200",
+                        "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "round_profile.json").read_text())
+    assert result["prompt_length"] == 200
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "ngram"}
     assert "propose" not in rows["plain"]["census"] and rows["ngram"]["census"]["propose"]["kernels"] > 0

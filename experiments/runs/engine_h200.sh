@@ -27,7 +27,8 @@
 # SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager). SDPA (e.g.
 # SDPA=efficient) the SDPA backends that the profile and speed phases allow (profile: round_profile_sdpa-<names>.json;
 # speed: $OUT/speed-sdpa-<names>/speed.json); INDUCTOR (e.g. INDUCTOR=combo_kernels=True) torch._inductor.config
-# options for both; PROFILE_METHODS and PROFILE_COMPILE the profile's --methods and --compile.
+# options for both; PROFILE_METHODS, PROFILE_COMPILE and PROFILE_PROMPT the profile's --methods, --compile and
+# --prompt-length (e.g. 480: a ShareGPT-length context, where the concurrency run's DSpark rounds were slow).
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
@@ -128,7 +129,8 @@ case "$phase" in
   profile)  # where a round's time goes: kernels per stage, eager vs compiled (random host, random drafters)
     python3 benchmarks/round_profile.py --host "${PROFILE_HOST:-random:smollm2}" \
       ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} \
-      ${PROFILE_METHODS:+--methods $PROFILE_METHODS} ${PROFILE_COMPILE:+--compile $PROFILE_COMPILE} --out-dir "$OUT" ;;
+      ${PROFILE_METHODS:+--methods $PROFILE_METHODS} ${PROFILE_COMPILE:+--compile $PROFILE_COMPILE} \
+      ${PROFILE_PROMPT:+--prompt-length $PROFILE_PROMPT} --out-dir "$OUT" ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
