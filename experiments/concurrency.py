@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.merge:
         doc = merge(opts.merge)
         doc["command"] = "dspark experiment concurrency " + " ".join(argv)
+        doc["settings"]["out_dir"] = run.out_dir
         doc["break_even"] = break_even(doc["rows"])
         path = write_result(doc, run.out_dir, render)
         print(f"wrote {path} from {len(opts.merge)} runs; break-even concurrency: {doc['break_even']}")
