@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings,
                                 continuous_decode, cost_table, drafter_path, envelope, figure, load_prompts,
@@ -59,7 +59,10 @@ def _check(opts: ValidateOptions) -> None:
     check_settings(opts.policies, concurrency=opts.concurrency, draft_length=[opts.draft_length])
 
 
-def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[int]], out_dir: Path) -> dict:
+def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[int]], out_dir: Path,
+            progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Measured and predicted rows at every C; `progress`, when given, receives the result so far after every C but
+    the last (main writes it, marked partial: a device call cut short keeps the C it finished)."""
     from experiments.simulator import Pricing, simulate, trace_from_result
     from verifiers import build_verifier
     from verifiers.cost_model import draft_key
@@ -114,10 +117,15 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
                 print(f"C={C:4d} {name}/{p}: measured {rows[-1]['measured_tokens_per_s']:.1f} tok/s, predicted "
                       f"{rows[-1]['predicted_tokens_per_s']:.1f} ({100 * rows[-1]['relative_error']:+.1f} %)",
                       flush=True)
-    for r in rows:
-        r["measured_tau"] = r.pop("_tau")
+        if progress is not None and C != opts.concurrency[-1]:
+            progress(_result(rows, constants, K))
+    return _result(rows, constants, K)
+
+
+def _result(rows: list[dict], constants: dict, K: int) -> dict:
+    rows = [{**{k: v for k, v in r.items() if k != "_tau"}, "measured_tau": r["_tau"]} for r in rows]
     tested = [abs(r["relative_error"]) for r in rows if not r["fitted"]]
-    return {"rows": rows, "constants": constants, "draft_length": K,
+    return {"rows": rows, "constants": dict(constants), "draft_length": K,
             "max_relative_error": max(tested) if tested else None,
             "max_relative_error_all": max(abs(r["relative_error"]) for r in rows)}
 
@@ -146,7 +154,8 @@ def render(doc: dict, out: Path) -> Section:
     consts = "\n".join(f"| {C} | {c['verify_ms_table']:.3f} | {c['step_overhead_ms']:.3f} | "
                        f"{c.get('overlap', False)} | {c['admission_ms']:.3f} |" for C, c in doc["constants"].items())
     worst = doc["max_relative_error"]
-    text = (f"Largest relative error of a prediction (speculative rows): "
+    text = ("**Partial result**: the run stopped before its last concurrency.\n\n" if doc.get("partial") else "")
+    text += (f"Largest relative error of a prediction (speculative rows): "
             f"{'n/a' if worst is None else f'{100 * worst:.1f} %'}; with the fitted plain rows: "
             f"{100 * doc['max_relative_error_all']:.1f} %.\n\n" + table
             + "\n\nMachine constants from the plain run at each C (the verify step from the cost table):\n\n"
@@ -180,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     host = _host(h)
     prompts = load_prompts(host, opts.data, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
     doc = envelope(NAME, argv=argv, host=host, options=[h, run, opts])
-    doc.update(measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir)))
+
+    def checkpoint(part: dict) -> None:  # a run cut short (a device call's time limit) keeps the C it finished
+        write_result({**doc, **part, "partial": True}, run.out_dir, render)
+    doc.update(measure(host, run, opts, prompts=prompts, out_dir=Path(run.out_dir), progress=checkpoint))
     path = write_result(doc, run.out_dir, render)
     worst = doc["max_relative_error"]
     print(f"wrote {path}; largest relative error of a prediction: {'n/a' if worst is None else f'{100 * worst:.1f} %'}")

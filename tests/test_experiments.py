@@ -432,6 +432,25 @@ def test_simulator_validation_writes_measured_and_predicted(tmp_path):
     assert set(doc["constants"]) == {"1", "2"} and (out / "simulator_validation.png").is_file()
 
 
+def test_simulator_validation_keeps_the_finished_c_when_a_run_is_cut_short(tmp_path, monkeypatch):
+    import experiments.validate as runner
+
+    decode = runner.continuous_decode
+
+    def cut_at_two(host, prompts, *, concurrency, **kw):
+        if concurrency == 2:
+            raise KeyboardInterrupt  # what a device call's time limit does to the run
+        return decode(host, prompts, concurrency=concurrency, **kw)
+    monkeypatch.setattr(runner, "continuous_decode", cut_at_two)
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli(["experiment", "simulator_validation", "--host", HOST, "--drafters", "ngram", "--policies", "full",
+             "--concurrency", "1", "2", "--num-prompts", "3", "--max-new-tokens", "6", "--out-dir", str(tmp_path)])
+    doc = load(tmp_path / "simulator_validation.json")
+    assert doc["partial"] and {(r["method"], r["concurrency"]) for r in doc["rows"]} == {("plain", 1), ("ngram", 1)}
+    assert "Partial result" in (tmp_path / "simulator_validation.md").read_text()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 def test_simulator_validation_replays_the_engines_steps(tmp_path, monkeypatch, overlap):
     """The replay takes as many steps as the engine ran rounds for plain decoding, with the rounds in order and

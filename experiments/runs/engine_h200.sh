@@ -105,7 +105,7 @@ case "$phase" in
   llama8b)
     python3 benchmarks/speed.py --only-llama8b --compile "${SPEED_COMPILE:-both}" --out-dir /tmp/speedrun
     cp /tmp/speedrun/speed*.json "$OUT"/ ;;
-  validate)  # ~7 decodes per C (traces, plain, 2 drafters x 2 policies)
+  validate)  # ~7 decodes per C (traces, plain, 2 drafters x 2 policies); the JSON is rewritten after every C
     python3 -m experiments simulator_validation --host "${HOST:-smollm2}" "${compile[@]}" --drafters ngram dspark \
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-length 7 \
       --concurrency ${CONC:-1 8 64} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
