@@ -117,8 +117,8 @@ case "$phase" in
     python3 -m experiments concurrency --host "${HOST:-smollm2}" "${compile[@]}" \
       --drafters ${DRAFTERS:-ngram dspark eagle3} \
       ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
-      --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens "${NEW:-128}" \
-      --out-dir "$OUT" || true ;;
+      --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
+      --out-dir "$OUT" || true ;;  # 32 prompts: with 16 a row at C <= 16 timed 0.2-3 s (the first H200 sweep)
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
     ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-480} RUN=/tmp/dspark-run \
       REGEN_FROM=experiments/data/sharegpt_smollm2_regen.jsonl.gz \
