@@ -36,9 +36,12 @@ LOOKAHEAD_DEVICES = ("cuda",)
 def lookahead_allowed(verifier) -> bool:
     """Whether a runner may propose the next round's draft at the end of a drafted round, after its commit: the
     verifier's lengths depend on the draft alone (`capturable`: no Python state), so that draft is exactly the one
-    the next round would make at its start. Nothing happens in between but the CPU's commit, retirements (a retired
-    slot's lengths can only widen the forward, never change a token) and admissions (after which the runner
-    proposes afresh). A verifier with a draft gate (`draft_next`, the schedulers) may make the next round a plain
+    the next round would make at its start. Nothing happens in between but the CPU's commit, retirements and
+    admissions (after which the runner proposes afresh). A retired slot's row can only widen the forward of a
+    verifier that decides each row alone (verify-all, the threshold), never change a token; the scheduler picks one
+    width over all rows, so a row retired since may change that width, and so which drafts of the other rows are
+    verified: still decided from the drafts alone, never from their verification (lossless), though not the width a
+    fresh propose would pick (greedy tokens are the same either way). A verifier with a draft gate (`draft_next`, the schedulers) may make the next round a plain
     one: that round overwrites the draft unused (no_draft) and its copy carries AHEAD = -1, so the next drafted
     round proposes afresh; a gate that stops drafting wastes one propose. why: when the verify width depends on
     device values (n-gram lengths, the threshold, the scheduler's widths), the draft's longest length then rides in
