@@ -410,6 +410,52 @@ def test_a_draft_proposed_ahead_is_dropped_before_a_plain_round(tiny_host, draft
         assert 0 < runs[1].engine["drafted_rounds"] < runs[1].rounds
 
 
+@RUNNERS
+def test_a_gated_dspark_observes_its_plain_rounds_later_as_it_would_have(tiny_host, monkeypatch, graphs, overlap):
+    """Under a draft gate, DSpark's plain rounds keep their features and the drafter observes them before the next
+    drafted round (graphs.defers_observe), and when the backlog is full (one verify width here): every round drafts
+    and accepts what it does with an observe per round, and the tokens are the same."""
+    import dspark.engine.graphs as runners
+
+    monkeypatch.setattr(runners, "backlog_rounds", lambda K: K + 1)  # a backlog of one verify width
+    flushed = []  # whether each flush came before a drafted round
+    due = runners.Backlog.due
+
+    def recorded(self, drafting):
+        if due(self, drafting):
+            flushed.append(drafting)
+            return True
+        return False
+    monkeypatch.setattr(runners.Backlog, "due", recorded)
+    drafter, prompts = drafter_of("dspark-trained", tiny_host), prompts_of(tiny_host)
+    cost = CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0})
+    runs, contexts = {}, {}
+    for defer in (True, False):
+        seen = contexts[defer] = []  # what the drafter holds when it proposes: each live slot's cached context
+
+        def holding(slots, *args, seen=seen, propose=runners.propose):
+            lengths = drafter.cache.lengths
+            for s in slots.active.nonzero().flatten().tolist():  # an idle slot's state waits for its next admission
+                seen.append(drafter.cache.k[:, s, :, : int(lengths[s])].clone())
+            return propose(slots, *args)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(runners, "propose", holding)
+            if not defer:
+                m.setattr(runners, "defers_observe", lambda *a: False)
+            runs[defer] = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS,
+                                   verifier=build_verifier("scheduler", cost_table=cost), seeds=SEEDS, concurrency=2,
+                                   graphs=graphs)
+    deferred, each = runs[True], runs[False]
+    assert 0 < deferred.engine["drafted_rounds"] < deferred.rounds
+    assert deferred.token_ids == each.token_ids
+    for column in ("accepted", "verified", "proposed"):
+        assert deferred.log.column(column).tolist() == each.log.column(column).tolist(), column
+    assert len(contexts[True]) == len(contexts[False]) > 0
+    for got, want in zip(contexts[True], contexts[False]):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    assert True in flushed and False in flushed  # before drafted rounds, and a full backlog mid plain run
+
+
 def test_generate_takes_overlap(tiny_host):
     """generate(overlap=...): None overlaps on CUDA only, False never, True on any device (same tokens); the
     eager reference loop has no rounds to overlap."""

@@ -221,3 +221,28 @@ def test_grouped_attention_runs_without_the_math_backend(dtype):
     want = host.step(host.new_cache(2, 64), tokens, torch.tensor([9, 6], device="cuda"), fused=False).hidden
     tol = 1e-4 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_gated_dspark_backlog_in_captured_rounds_equals_an_observe_per_round(cuda_host, tmp_path, monkeypatch):
+    """The scheduler's draft gate with DSpark in captured, overlapped rounds: plain rounds keep their features in
+    the backlog (its width-0 accept graph and flush graphs, graphs.defers_observe), and every round drafts and
+    accepts what it does when the drafter observes each round (fp32, greedy), with the same tokens."""
+    import dspark.engine.graphs as runners
+    from verifiers import build_verifier
+    from verifiers.cost_model import CostModel
+
+    monkeypatch.setattr(runners, "backlog_rounds", lambda K: K + 1)  # a backlog of one verify width: it fills
+    drafter = build_any("dspark", cuda_host, tmp_path).to("cuda")
+    prompts = random_prompts([5, 1, 12, 7, 3, 9], cuda_host.vocab_size, seed=5)
+    cost = CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0})
+    runs = []
+    for defer in (True, False):
+        with pytest.MonkeyPatch.context() as m:
+            if not defer:
+                m.setattr(runners, "defers_observe", lambda *a: False)
+            runs.append(generate(cuda_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=LIMITS,
+                                 verifier=build_verifier("scheduler", cost_table=cost), concurrency=2, graphs=True))
+    assert 0 < runs[0].engine["drafted_rounds"] < runs[0].rounds and runs[0].engine["overlapped"]
+    assert runs[0].token_ids == runs[1].token_ids
+    for column in ("accepted", "verified"):
+        assert runs[0].log.column(column).tolist() == runs[1].log.column(column).tolist(), column

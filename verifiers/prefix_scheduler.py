@@ -203,6 +203,7 @@ class _Gated(Verifier):
 
     def _init_gate(self, cost: SPS, gate: bool) -> None:
         self.gate = DraftGate(cost) if gate else None
+        self.gates_drafts = gate
 
     def bind(self, *, drafter, K: int) -> None:
         if self.gate is not None:

@@ -86,6 +86,10 @@ class Drafter:
     compile_whole: bool = True
     #: host layers whose raw outputs this drafter consumes (concatenated in this order); () = none
     feature_layers: tuple[int, ...] = ()
+    #: True when observe writes each position from its own features alone (no state carried from one position to
+    #: the next), so positions may be observed later and many at once: under a draft gate the slot engine then keeps
+    #: plain rounds' features and observes them before the next drafted round (dspark.engine.round.flush_observe)
+    observe_batched: bool = False
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
         """Allocate per-batch state for `batch_size` requests of at most `max_len` positions."""
@@ -125,6 +129,9 @@ class Verifier:
     static_length: bool = False
     #: True when lengths() is tensor-only and keeps no Python state: the slot engine may capture it in a CUDA graph
     capturable: bool = False
+    #: True when draft_next may stop drafting for long runs of rounds (a draft gate): the slot engine then defers a
+    #: drafter's observe over those plain rounds where the drafter allows it (Drafter.observe_batched)
+    gates_drafts: bool = False
 
     def begin(self, *, batch_size: int) -> None:
         """Reset per-batch state."""

@@ -142,20 +142,53 @@ def verify(slots, host, draft: Draft, L: int, taps: tuple[int, ...], attend: int
     return Verified(logits=host.logits(out.hidden), features=out.features)
 
 
-def accept(slots, drafter, draft: Draft, verified: Verified) -> torch.Tensor:
+def accept(slots, drafter, draft: Draft, verified: Verified, defer: bool = False) -> torch.Tensor:
     """Stages 4 and 5: acceptance, then the commit, at the verify forward's width L + 1; returns the packed
     (C, K+1+COLUMNS) long round output (the new tokens padded to K + 1, whatever L). A compiled host runs the
-    acceptance and the commit of tokens as one compiled function (greedy: dspark.engine.compiled.commit_fn)."""
+    acceptance and the commit of tokens as one compiled function (greedy: dspark.engine.compiled.commit_fn).
+    `defer` (a plain round of a runner that defers, graphs.defers_observe): the anchor's features go into the
+    slots' backlog instead of the drafter's observe (flush_observe observes them later)."""
     state, active = slots.state, slots.active
     commit = commit_fn(_commit, slots.host, state.sampling.greedy)
     out, anchor_pos, step = commit(verified.logits, draft.tokens, draft.q, draft.ell, draft.proposed,
                                    draft.next_width, draft.confidence, state.seq, state.seq_len, state.seeds, active,
                                    slots.remaining, slots.cache.lengths, state.sampling)
-    drafter_fn(drafter, "observe", slots.host)(features=verified.features, start=anchor_pos, n_valid=step, state=state)
+    if defer:  # a plain round commits at most the anchor: its features wait at each slot's next backlog row
+        n = slots.backlog_n
+        rows = torch.arange(n.shape[0], device=n.device)
+        slots.backlog[rows, n.clamp(max=slots.backlog.shape[1] - 1)] = verified.features[:, 0]
+        slots.backlog_n += step
+    else:
+        drafter_fn(drafter, "observe", slots.host)(features=verified.features, start=anchor_pos, n_valid=step,
+                                                   state=state)
     state.seq_len += step
     state.rounds += active.long()
     slots.remaining -= step
     return out
+
+
+#: plain rounds whose features a deferring runner keeps, in verify widths of K + 1 positions (backlog_rounds)
+BACKLOG_CHUNKS = 4
+
+
+def backlog_rounds(K: int) -> int:
+    """Plain rounds a deferring runner keeps before it observes them (at most one position per slot each)."""
+    return BACKLOG_CHUNKS * (K + 1)
+
+
+def flush_observe(slots, drafter, K: int, chunks: int) -> None:
+    """The drafter observes the backlog (every slot's features of the plain rounds since its last observe), `chunks`
+    verify widths of K + 1 positions, one width per call as a round observes, then the backlog is empty. The host's
+    cache holds every committed position, so each slot's backlog starts at its cache length less its backlog;
+    chunks past a slot's backlog observe nothing at its end (n_valid 0), as an idle slot's row does in a round.
+    The same positions from the same features as the plain rounds would have observed them (observe_batched)."""
+    W, n = K + 1, slots.backlog_n * slots.active
+    start = slots.cache.lengths - n  # (C,)
+    observe = drafter_fn(drafter, "observe", slots.host)
+    for j in range(chunks):
+        observe(features=slots.backlog[:, j * W:(j + 1) * W], start=start + n.clamp(max=j * W),
+                n_valid=(n - j * W).clamp(0, W), state=slots.state)
+    slots.backlog_n.zero_()
 
 
 def _commit(logits, draft_tokens, draft_q, ell, proposed, next_width, confidence, seq, seq_len, seeds, active,

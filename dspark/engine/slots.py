@@ -89,6 +89,16 @@ class Slots:
         self.rounds_cpu = [0] * C
         self.next_width = -1  # the verifier's bound on this round's lengths, from the last round's copy; -1 = none
         self.busy = 0  # requests in flight
+        # features of plain rounds not yet observed (keep_backlog; round.accept(defer=True), round.flush_observe)
+        self.backlog: torch.Tensor | None = None  # (C, rows, F)
+        self.backlog_n: torch.Tensor | None = None  # (C,) rows in use
+
+    def keep_backlog(self, rows: int) -> None:
+        """Room for `rows` plain rounds' features per slot (F = the drafter's taps x the host's hidden size)."""
+        F = len(self.drafter.feature_layers) * self.host.hidden_size
+        device = self.state.seq.device
+        self.backlog = torch.zeros(self.capacity, rows, F, dtype=self.host.dtype, device=device)
+        self.backlog_n = torch.zeros(self.capacity, dtype=torch.long, device=device)
 
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.request) if r is None]
@@ -129,6 +139,8 @@ class Slots:
                            (self.state.rounds, sub.rounds), (self.remaining, remaining)):
             put_rows(full, rows, part)
         self.active.index_fill_(0, rows, True)  # why not active[rows] = True: that copies the value from the CPU
+        if self.backlog_n is not None:  # the drafter observed the prompt (_admit_drafter): nothing is pending
+            self.backlog_n.index_fill_(0, rows, 0)
         for s, r in zip(slots, requests):
             self.request[s] = r
             self.remaining_cpu[s], self.cache_len[s], self.rounds_cpu[s] = r.limit, len(r.prompt), 0
