@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from dspark.engine.protocol import Proposal
-from dspark.engine.round import width_bucket
+from dspark.engine.round import backlog_rounds, width_bucket
 from experiments.common import Section, write_result
 
 FORMAT = "dspark.trace"
@@ -87,7 +87,9 @@ class Pricing:
     ell (dspark.engine.round.width_bucket), B = C (L + 1), and the draft step covers C rows (`draft_seconds(C)`,
     e.g. a cost table's profiled draft entry, else `draft_ms`), and a request's first new token comes from its
     admission's prefill, before its first step. `observe_seconds(rows)`, when given, prices the drafter's observe
-    of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too).
+    of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too),
+    or, with `deferred_observe` (the engine's backlog, dspark.engine.graphs.defers_observe), for a gated decode's
+    plain steps one observe per verify width of K + 1 of them, paid at the next drafted step or when 4 widths fill.
     `step_overhead_ms` is added to every step (the engine's acceptance and CPU bookkeeping) and `admission_ms` to
     every step that admits requests (one prefill per group of arrivals). `overlap`: the engine's overlapped rounds
     (dspark.engine.serve.overlap_allowed), each launched before the last one is committed: a verifier hears of a
@@ -98,6 +100,7 @@ class Pricing:
     draft_ms: float = 0.0
     draft_seconds: Optional[Callable[[int], float]] = None
     observe_seconds: Optional[Callable[[int], float]] = None
+    deferred_observe: bool = False
     step_overhead_ms: float = 0.0
     admission_ms: float = 0.0
     overlap: bool = False
@@ -143,6 +146,7 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         gate.begin()
         gate.fixed_draft_s = pricing.draft(concurrency)
     blocked = 0  # slots still held by requests that finished in the last step (overlap)
+    backlog = 0  # plain steps whose observe waits (Pricing.deferred_observe)
     told = None  # the last step's after_round, told one step late (overlap)
     last_step_s = 0.0  # what the last step cost: a step of only finished rows (overlap) costs the same
     while waiting or live or blocked:
@@ -179,7 +183,13 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         accepted = torch.minimum(ell, logged_acc)  # (R,)
         B = pricing.verify_tokens(ell, concurrency, K)
         rows = concurrency if pricing.slots else R  # the rows a draft step covers
-        draft_s = (pricing.draft(rows) if drafting else 0.0) + (pricing.observe(rows) if policy is not None else 0.0)
+        observes = int(policy is not None)  # this step's own observe
+        if policy is not None and pricing.deferred_observe and gate is not None:
+            if not drafting:  # a plain step's features wait in the backlog, observed a width at a time later
+                observes, backlog = 0, backlog + 1
+            if backlog and (drafting or backlog == backlog_rounds(K)):
+                observes, backlog = observes + -(-backlog // (K + 1)), 0
+        draft_s = (pricing.draft(rows) if drafting else 0.0) + observes * pricing.observe(rows)
         last_step_s = 1.0 / float(cost(B)) + draft_s + pricing.step_overhead_ms / 1000.0
         now += last_step_s
         steps += 1

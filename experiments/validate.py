@@ -63,6 +63,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
             progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Measured and predicted rows at every C; `progress`, when given, receives the result so far after every C but
     the last (main writes it, marked partial: a device call cut short keeps the C it finished)."""
+    from dspark.engine.graphs import defers_observe
     from experiments.simulator import Pricing, simulate, trace_from_result
     from verifiers import build_verifier
     from verifiers.cost_model import draft_key
@@ -111,6 +112,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
             for p in opts.policies:
                 measured = decode(batch, drafter, policy(p, name), C)
                 pricing = Pricing(draft_seconds=draft_seconds, observe_seconds=partial(draft_seconds, step="observe"),
+                                  deferred_observe=defers_observe(drafter, policy(p, name), K),
                                   **{**machine, "overlap": measured.engine["overlapped"]})
                 predicted = simulate(traces[name], policy=policy(p, name), pricing=pricing, **shared)
                 rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K))

@@ -375,6 +375,20 @@ def test_simulator_replays_the_draft_gate():
     assert gated["tokens_per_s"] > 0.95 * plain["tokens_per_s"]
 
 
+def test_simulator_prices_a_deferred_observe_a_verify_width_at_a_time():
+    """The engine's backlog (Pricing.deferred_observe): a gated decode's plain steps pay one observe per K + 1 of
+    them instead of one each; with a 5 ms observe on a 20 ms step the gate then comes near plain decoding."""
+    flat = CostModel.flat(50.0)
+    trace = _trace([0] * 8, [[0.99, 0.99, 0.99]] * 8, new_tokens=64, n=2)  # K = 3: a width is 4 positions
+    plain = simulate(trace, policy=None, concurrency=2, cost=flat, requests=2)
+    rate = {}
+    for deferred in (False, True):
+        pricing = Pricing(draft_ms=10.0, observe_seconds=lambda rows: 0.005, deferred_observe=deferred)
+        rate[deferred] = simulate(trace, policy=build_verifier("scheduler", cost_table=flat), concurrency=2,
+                                  cost=flat, requests=2, pricing=pricing)["tokens_per_s"] / plain["tokens_per_s"]
+    assert rate[False] < 0.82 and rate[True] > 0.9
+
+
 def test_simulator_prices_plain_decoding_on_each_traces_own_requests(tmp_path):
     """With several traces, each speed-up is over plain decoding of the same requests: a trace of short requests
     and one of long ones drain a closed loop differently, so one shared plain row would mis-state both."""
