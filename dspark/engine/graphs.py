@@ -45,11 +45,12 @@ def lookahead_allowed(verifier) -> bool:
     verifier that decides each row alone (verify-all, the threshold), never change a token; the scheduler picks one
     width over all rows, so a row retired since may change that width, and so which drafts of the other rows are
     verified: still decided from the drafts alone, never from their verification (lossless), though not the width a
-    fresh propose would pick (greedy tokens are the same either way). A verifier with a draft gate (`draft_next`, the schedulers) may make the next round a plain
-    one: that round overwrites the draft unused (no_draft) and its copy carries AHEAD = -1, so the next drafted
-    round proposes afresh; a gate that stops drafting wastes one propose. why: when the verify width depends on
-    device values (n-gram lengths, the threshold, the scheduler's widths), the draft's longest length then rides in
-    this round's copy, and the next round needs no device read of its own: one device-to-host copy per round."""
+    fresh propose would pick (greedy tokens are the same either way). A verifier with a draft gate (`draft_next`,
+    the schedulers) may make the next round a plain one: that round overwrites the draft unused (no_draft) and its
+    copy carries AHEAD = -1, so the next drafted round proposes afresh; a gate that stops drafting wastes one
+    propose. why: when the verify width depends on device values (n-gram lengths, the threshold, the scheduler's
+    widths), the draft's longest length then rides in this round's copy, and the next round needs no device read of
+    its own: one device-to-host copy per round."""
     return getattr(verifier, "capturable", False)
 
 
