@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     inductor = set_inductor(args.inductor)
     host = load_host(args.host, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
     drafters = {name: build(name, host, args.backbone_layers, args.checkpoints) for name in args.methods}
-    result = {"host": args.host, "K": K, "new": args.new, "prompt_length": args.prompt_length, "torch": torch.__version__,
+    result = {"host": args.host, "K": K, "new": args.new, "prompt_length": args.prompt_length,
+              "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python benchmarks/round_profile.py " + " ".join(argv or sys.argv[1:]),

@@ -162,7 +162,7 @@ def workload_context(prompts: list[list[int]], max_new_tokens: int) -> int:
 
 
 def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths: list[int], out_dir: Path,
-               drafters: dict | None = None, context: int = 32):
+               context: int, drafters: dict | None = None):
     """The SPS(M) table: loaded from `path`, else profiled now on this host at `context` cached positions per
     request (the runners pass `workload_context`); plus the draft cost of every (name, gamma) drafter of
     `drafters` it lacks (the schedulers' draft gate prices it). Saved as OUT_DIR/cost.json (a loaded `path` is

@@ -110,9 +110,10 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
                 return (cost.draft_seconds(key, R, step=step) or 0.0) if profiled else 0.0
 
             for p in opts.policies:
-                measured = decode(batch, drafter, policy(p, name), C)
+                verifier = policy(p, name)
+                measured = decode(batch, drafter, verifier, C)
                 pricing = Pricing(draft_seconds=draft_seconds, observe_seconds=partial(draft_seconds, step="observe"),
-                                  deferred_observe=defers_observe(drafter, policy(p, name), K),
+                                  deferred_observe=defers_observe(drafter, verifier, K),
                                   **{**machine, "overlap": measured.engine["overlapped"]})
                 predicted = simulate(traces[name], policy=policy(p, name), pricing=pricing, **shared)
                 rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K))

@@ -69,7 +69,7 @@ class Backlog:
     """A runner's count of the plain rounds whose features wait in the slots' backlog (defers_observe)."""
 
     def __init__(self, slots, drafter, verifier, K: int) -> None:
-        self.on, self.rounds, self.full = defers_observe(drafter, verifier, K), 0, backlog_rounds(K)
+        self.on, self.rounds, self.full, self.K = defers_observe(drafter, verifier, K), 0, backlog_rounds(K), K
         if self.on:
             slots.keep_backlog(self.full)
 
@@ -77,6 +77,11 @@ class Backlog:
         """Whether the backlog is observed before this round: a drafted round proposes from the drafter's whole
         context, and a plain round needs a free backlog row."""
         return self.rounds > 0 and (drafting or self.rounds == self.full)
+
+    def take(self) -> int:
+        """The verify widths (K + 1 positions) the pending rounds span, for flush_observe; the count starts over."""
+        chunks, self.rounds = -(-self.rounds // (self.K + 1)), 0
+        return chunks
 
 
 class EagerRound:
@@ -104,8 +109,7 @@ class EagerRound:
         the last round (its copy's AHEAD column), which this round then verifies; None = propose now."""
         self.timer.mark(start=True)
         if self.backlog.due(drafting):
-            flush_observe(self.slots, self.drafter, self.K, -(-self.backlog.rounds // (self.K + 1)))
-            self.backlog.rounds = 0
+            flush_observe(self.slots, self.drafter, self.K, self.backlog.take())
         defer = self.backlog.on and not drafting
         if not drafting:
             draft, L = no_draft(self.slots, self.K), 0
@@ -258,7 +262,7 @@ class GraphRound:
         """The backlog observed (round.flush_observe over as many verify widths as it may fill, one graph per count
         up to BACKLOG_CHUNKS), each captured at its first use with every slot paused as _capture does: a paused
         slot observes nothing at its end, and its pending count is restored before the real replay."""
-        slots, chunks = self.slots, -(-self.backlog.rounds // (self.K + 1))
+        slots, chunks = self.slots, self.backlog.take()
         if chunks not in self.g_flush:
             start, active, pending = time.perf_counter(), slots.active.clone(), slots.backlog_n.clone()
             slots.active.zero_()
@@ -279,7 +283,6 @@ class GraphRound:
             self.warmup_s += time.perf_counter() - start
             self.timer.discard()
         _replay(self.g_flush[chunks])
-        self.backlog.rounds = 0
 
 
 def _replay(graph) -> None:
