@@ -279,7 +279,7 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         T, S = ids.shape[1], self.config.ttt_length
         mask = batch.loss_mask.bool()
         B, V = ids.shape[0], batch.host_logits.shape[-1]
-        rows = chunk_rows(B * V)
+        rows = chunk_rows(B * V, device=ids.device)
         ce, accept, valid = [], [], []
         for j, g in enumerate(self.ttt_hidden(ids, batch.features, doc)):
             n = max(T - 1 - j, 0)  # indices i whose host distribution host_logits[:, i+1+j] exists

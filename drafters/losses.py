@@ -25,9 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# why 2**24: one (rows, V) float32 tensor of a chunk is 64 MB; a chunk's loss makes about six of them at once, which
-# fits a laptop, while on a GPU a chunk is still a large matmul (SmolLM2: 341 rows x 49152 x 576)
+# why 2**24 off the GPU: one (rows, V) float32 tensor of a chunk is 64 MB; a chunk's loss makes about six of them at
+# once, which fits a laptop
 LOSS_CHUNK_ELEMENTS = 2**24
+# why larger on a GPU: every chunk is a few dozen kernels forward, again in the recompute and in backward. A DSpark
+# step of the SmolLM2 recipe (4 rows x 1024 blocks x gamma 7 x 49152) makes 86 chunks at 2**24, and EAGLE-3's 7
+# unrolled steps 24 each; since the chunking came in, those steps took 0.91-1.06 s on the H100 / H200
+# (benchmarks/h100/steps300_speed, h200/concurrency_smollm2) against 0.18 s unchunked the day before
+# (h200/steps2000_anchors1024, 46 GB peak). 2**28 elements (1 GiB per float32 tensor, about 6 GiB per chunk) is 6
+# DSpark chunks there; a card of less memory gets 1/128 of it (a 24 GB card: about 2**27.5)
+LOSS_CHUNK_ELEMENTS_CUDA = 2**28
 
 
 @dataclass
@@ -76,9 +83,21 @@ def per_position_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (x.detach().float().flatten(0, -2) * v).sum(0) / v.sum(0).clamp(min=1)
 
 
-def chunk_rows(row_elements: int, budget: int | None = None) -> int:
-    """Rows per chunk so that one (rows, row_elements) tensor has at most `budget` elements (at least one row)."""
-    return max(1, (LOSS_CHUNK_ELEMENTS if budget is None else budget) // max(1, row_elements))
+def loss_chunk_elements(device: torch.device | str | None = None) -> int:
+    """Elements of one (rows, V) tensor of a loss chunk on `device`: LOSS_CHUNK_ELEMENTS off CUDA; on a CUDA device
+    LOSS_CHUNK_ELEMENTS_CUDA, or 1/128 of the card's memory in bytes where that is less (never below the CPU's).
+    From the card's total memory, not its free memory, so that a run chunks alike at every step and on resume."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return LOSS_CHUNK_ELEMENTS
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(LOSS_CHUNK_ELEMENTS, min(LOSS_CHUNK_ELEMENTS_CUDA, total // 128))
+
+
+def chunk_rows(row_elements: int, budget: int | None = None, *, device: torch.device | str | None = None) -> int:
+    """Rows per chunk so that one (rows, row_elements) tensor has at most `budget` elements (at least one row);
+    budget None: loss_chunk_elements(device)."""
+    return max(1, (loss_chunk_elements(device) if budget is None else budget) // max(1, row_elements))
 
 
 def checkpointed_chunks(fn: Callable[..., tuple], n: int, rows: int, dim: int = 1) -> tuple:

@@ -156,3 +156,22 @@ def test_loss_keeps_no_vocabulary_sized_tensor_for_backward(wide_host, name, mon
         assert set(got) == set(expected)
         for n in expected:
             torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-7, msg=f"{name} {n} (budget {budget})")
+
+
+def test_loss_chunks_are_larger_on_a_gpu_within_its_memory(monkeypatch):
+    """86 DSpark chunks a step at the CPU's budget came with H100 / H200 training steps 5x slower (drafters/losses.py);
+    on CUDA the budget is LOSS_CHUNK_ELEMENTS_CUDA, or 1/128 of a smaller card's memory, never below the CPU's."""
+    from types import SimpleNamespace
+
+    from drafters import losses
+
+    cards = {80 * 2**30: losses.LOSS_CHUNK_ELEMENTS_CUDA, 24 * 2**30: 24 * 2**30 // 128,
+             1 * 2**30: losses.LOSS_CHUNK_ELEMENTS}
+    for total, expected in cards.items():
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, t=total: SimpleNamespace(total_memory=t))
+        assert losses.loss_chunk_elements("cuda:0") == expected
+    assert losses.loss_chunk_elements("cpu") == losses.loss_chunk_elements(None) == losses.LOSS_CHUNK_ELEMENTS
+    row = 4 * 7 * 49152  # the SmolLM2 recipe's DSpark blocks: 4 rows x gamma 7 x V
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    assert -(-1024 // losses.chunk_rows(row, device="cuda")) == 6  # chunks of 1024 blocks (86 at the CPU's budget)
+    assert -(-1024 // losses.chunk_rows(row)) == 86

@@ -161,17 +161,18 @@ def rows_needed(cfg: TrainConfig, world: int) -> int | None:
     return None if cfg.max_steps is None else cfg.max_steps * cfg.grad_accum * cfg.batch_size * world
 
 
-def step_memory(cfg: TrainConfig, host: Host, drafter, *, element_size: int, sparse: bool) -> int:
+def step_memory(cfg: TrainConfig, host: Host, drafter, *, element_size: int, sparse: bool,
+                device: torch.device | str | None = None) -> int:
     """Bytes of the largest tensors one training step holds at once: a lower estimate (activations only; weights and
     optimizer state are already allocated when it is taken). B rows of T tokens, V vocabulary, N attention heads:
     the host's logits (B, T, V) float32 for the whole step and one host layer's attention scores (B, N, T, T); one
     chunk of the vocabulary-sized loss (drafters/losses.py); DSpark / DFlash with the dense block mask: each backbone
     layer's attention probabilities over A*gamma block queries x (T + A*gamma) keys, kept for backward; EAGLE-3: each
     unrolled step's (B, N, T, T + j) scores and probabilities."""
-    from drafters.losses import LOSS_CHUNK_ELEMENTS
+    from drafters.losses import loss_chunk_elements
 
     B, T, N, V = cfg.batch_size, cfg.seq_len, host.num_heads, host.vocab_size
-    total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(LOSS_CHUNK_ELEMENTS, B * T * V) * 4
+    total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(loss_chunk_elements(device), B * T * V) * 4
     config = getattr(drafter, "config", None)
     if drafter.kind == "dspark" and not sparse:
         slots = min(config.max_anchors, T) * config.gamma
@@ -195,7 +196,8 @@ def check_step_memory(cfg: TrainConfig, host: Host, drafter, device: torch.devic
     """Stop before the first step, with the flags that lower it, when `step_memory` exceeds what is available: a
     step past it is killed by the kernel with no message (issue 19) or fails with CUDA out of memory."""
     sparse = device.type == "cuda" and cfg.sparse_attention and element_size == 2
-    need, have = step_memory(cfg, host, drafter, element_size=element_size, sparse=sparse), available_memory(device)
+    need = step_memory(cfg, host, drafter, element_size=element_size, sparse=sparse, device=device)
+    have = available_memory(device)
     if need <= have:
         return
     knobs = ["--batch-size", "--seq-len"]

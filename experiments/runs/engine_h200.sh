@@ -32,7 +32,8 @@
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
-# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm; the timing phases first wait, up to
+# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm; WARM_COMPILE=0 skips its compile
+# warm-up beside EAGLE-3's training; the timing phases first wait, up to
 # TRAIN_GUARD_S = 300 s, for a training PHASE=train left running, else write contended.txt); without it they are
 # random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
 # COMPILE=on|off|auto sets --compile of the validate and concurrency phases (default auto: compiled on CUDA). The
@@ -120,9 +121,27 @@ case "$phase" in
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" || true ;;  # 32 prompts: with 16 a row at C <= 16 timed 0.2-3 s (the first H200 sweep)
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
+    if [ "${WARM_COMPILE:-1}" = 1 ]; then
+      # why: the first compiled decode of a fresh machine spent about 400 s compiling (2026-12-05), a quarter of a
+      # session's device time. Once DSpark's last checkpoint is saved (EAGLE-3 trains next), a short run of the
+      # concurrency phase's first settings (same prompts, new tokens and cache sizes) fills inductor's on-disk cache
+      # for the timed phases; nothing of it is timed, and it is stopped when the trainings end
+      last=$(printf 'checkpoint-%08d' "${STEPS:-400}")
+      ( while [ ! -d "/tmp/dspark-run/dspark/$last" ]; do sleep 5; done
+        exec python3 -m experiments concurrency --host "${HOST:-smollm2}" --drafters ngram dspark \
+          --drafter-paths dspark=/tmp/dspark-run/dspark --policies full scheduler --draft-lengths 3 7 \
+          --concurrency 1 4 --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
+          --out-dir /tmp/warm-compile ) > "$OUT/warm_compile.log" 2>&1 &
+      warm=$!
+    fi
     ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-480} RUN=/tmp/dspark-run \
       REGEN_FROM=experiments/data/sharegpt_smollm2_regen.jsonl.gz \
       python3 experiments/runs/smollm2_h200.py prepare regenerate train
+    if [ -n "${warm:-}" ]; then  # its subshell, or the python it became
+      kill "$warm" 2>/dev/null || true
+      wait "$warm" 2>/dev/null || true
+      unset warm
+    fi
     for d in /tmp/dspark-run/*/metrics.jsonl; do
       cp "$d" "$OUT/train_metrics_$(basename "$(dirname "$d")").jsonl"
     done ;;
