@@ -11,6 +11,7 @@
 #   PHASE=sps8b bash experiments/runs/engine_h200.sh        # cost_llama8b.json: the random llama-8b SPS(B) table
 #   PHASE=train bash experiments/runs/engine_h200.sh        # a short DSpark + EAGLE-3 training for the speed rows
 #   PHASE=profile bash experiments/runs/engine_h200.sh      # round_profile.json: kernels and ms per round stage
+#   PHASE=pack-cache bash experiments/runs/engine_h200.sh   # inductor's cache in pieces, for .device-cache/ next time
 #
 # tests, profile and sps8b need no staging (random hosts): PHASE="tests profile" is a good first call of a fresh
 # machine.
@@ -55,6 +56,14 @@ export DSPARK_CACHE=${DSPARK_CACHE:-/tmp/dspark-cache}
 if [ -z "${DSPARK_SMOLLM2_GGUF:-}" ] && compgen -G "$STAGE/*.gguf" >/dev/null; then
   DSPARK_SMOLLM2_GGUF=$(ls "$STAGE"/*.gguf | head -1)
   export DSPARK_SMOLLM2_GGUF
+fi
+# inductor's on-disk cache from an earlier session (PHASE=pack-cache wrote it in pieces to $OUT; carry the pieces in
+# .device-cache/, e.g. `carry: [".device-cache"]` with the first call): why, the first compiled decode of a fresh
+# machine spent about 400 s compiling; a cached graph is loaded instead (a changed graph still compiles)
+INDUCTOR_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
+if compgen -G ".device-cache/inductor_cache.tgz.part-*" >/dev/null && [ ! -d "$INDUCTOR_DIR" ]; then
+  mkdir -p "$INDUCTOR_DIR" && cat .device-cache/inductor_cache.tgz.part-* | tar -xz -C "$INDUCTOR_DIR"
+  echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
 fi
 paths=()
 if [ -n "${CHECKPOINTS:-}" ]; then
@@ -150,11 +159,20 @@ case "$phase" in
       ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} \
       ${PROFILE_METHODS:+--methods $PROFILE_METHODS} ${PROFILE_COMPILE:+--compile $PROFILE_COMPILE} \
       ${PROFILE_PROMPT:+--prompt-length $PROFILE_PROMPT} --out-dir "$OUT" ;;
+  pack-cache)  # inductor's cache, gzipped, in 15 MiB pieces (files from $OUT are at most 16 MiB): up to
+    # PACK_MAX_MIB (default 40: the pieces travel back with the working tree, 64 MiB a call) or nothing
+    ( cd "$INDUCTOR_DIR" && tar -cz . ) > /tmp/inductor_cache.tgz
+    size=$(( $(stat -c %s /tmp/inductor_cache.tgz) / 1048576 ))
+    echo "inductor cache: $(du -sh "$INDUCTOR_DIR" | cut -f1) on disk, ${size} MiB gzipped" | tee "$OUT/inductor_cache.txt"
+    if [ "$size" -le "${PACK_MAX_MIB:-40}" ]; then
+      split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz.part-"
+    fi ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
       --out "$OUT/cost_llama8b.json" ;;
   *)
-    echo "unknown phase $phase (tests, profile, speed, llama8b, validate, concurrency, sps8b, train)" >&2; exit 2 ;;
+    echo "unknown phase $phase (tests, profile, speed, llama8b, validate, concurrency, sps8b, train, pack-cache)" >&2
+    exit 2 ;;
 esac
 done
