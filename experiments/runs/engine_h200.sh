@@ -57,13 +57,29 @@ if [ -z "${DSPARK_SMOLLM2_GGUF:-}" ] && compgen -G "$STAGE/*.gguf" >/dev/null; t
   DSPARK_SMOLLM2_GGUF=$(ls "$STAGE"/*.gguf | head -1)
   export DSPARK_SMOLLM2_GGUF
 fi
-# inductor's on-disk cache from an earlier session (PHASE=pack-cache wrote it in pieces to $OUT; carry the pieces in
-# .device-cache/, e.g. `carry: [".device-cache"]` with the first call): why, the first compiled decode of a fresh
-# machine spent about 400 s compiling; a cached graph is loaded instead (a changed graph still compiles)
+# inductor's on-disk cache from an earlier session: PHASE=pack-cache wrote it to $OUT as pieces and a manifest (sha256
+# of the whole .tgz, number of pieces); carried in .device-cache/ (`carry: [".device-cache"]`), over as many calls as
+# the 64 MiB carry needs, the pieces gather in /tmp/inductor-pieces and the cache is unpacked once all are there and
+# the whole checks out, before anything compiles. why: the first compiled decode of a fresh machine spent 300-400 s
+# compiling; a cached graph is loaded instead (a graph the code changed since still compiles)
 INDUCTOR_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
-if compgen -G ".device-cache/inductor_cache.tgz.part-*" >/dev/null && [ ! -d "$INDUCTOR_DIR" ]; then
-  mkdir -p "$INDUCTOR_DIR" && cat .device-cache/inductor_cache.tgz.part-* | tar -xz -C "$INDUCTOR_DIR"
-  echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
+if compgen -G ".device-cache/inductor_cache.*" >/dev/null; then
+  mkdir -p /tmp/inductor-pieces && cp .device-cache/inductor_cache.* /tmp/inductor-pieces/
+fi
+if [ -f /tmp/inductor-pieces/inductor_cache.manifest ] && [ ! -d "$INDUCTOR_DIR" ]; then
+  read -r want count < /tmp/inductor-pieces/inductor_cache.manifest
+  pieces=(/tmp/inductor-pieces/inductor_cache.tgz.part-*)
+  if [ "${#pieces[@]}" -eq "$count" ]; then
+    got=$(cat "${pieces[@]}" | sha256sum | cut -d' ' -f1)
+    if [ "$got" = "$want" ]; then
+      mkdir -p "$INDUCTOR_DIR" && cat "${pieces[@]}" | tar -xz -C "$INDUCTOR_DIR"
+      echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
+    else
+      echo "inductor cache pieces do not match their manifest: not used" >&2
+    fi
+  else
+    echo "inductor cache: ${#pieces[@]} of $count pieces here so far" >&2
+  fi
 fi
 paths=()
 if [ -n "${CHECKPOINTS:-}" ]; then
@@ -159,13 +175,16 @@ case "$phase" in
       ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} \
       ${PROFILE_METHODS:+--methods $PROFILE_METHODS} ${PROFILE_COMPILE:+--compile $PROFILE_COMPILE} \
       ${PROFILE_PROMPT:+--prompt-length $PROFILE_PROMPT} --out-dir "$OUT" ;;
-  pack-cache)  # inductor's cache, gzipped, in 15 MiB pieces (files from $OUT are at most 16 MiB): up to
-    # PACK_MAX_MIB (default 40: the pieces travel back with the working tree, 64 MiB a call) or nothing
+  pack-cache)  # inductor's cache, gzipped, in 15 MiB pieces (files from $OUT are at most 16 MiB) and a manifest:
+    # up to PACK_MAX_MIB (default 60: four pieces and the manifest within $OUT's eight files) or nothing
+    [ -d "$INDUCTOR_DIR" ] || { echo "no inductor cache at $INDUCTOR_DIR" | tee "$OUT/inductor_cache.txt"; continue; }
     ( cd "$INDUCTOR_DIR" && tar -cz . ) > /tmp/inductor_cache.tgz
     size=$(( $(stat -c %s /tmp/inductor_cache.tgz) / 1048576 ))
     echo "inductor cache: $(du -sh "$INDUCTOR_DIR" | cut -f1) on disk, ${size} MiB gzipped" | tee "$OUT/inductor_cache.txt"
-    if [ "$size" -le "${PACK_MAX_MIB:-40}" ]; then
+    if [ "$size" -le "${PACK_MAX_MIB:-60}" ]; then
       split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz.part-"
+      echo "$(sha256sum < /tmp/inductor_cache.tgz | cut -d' ' -f1) $(ls "$OUT"/inductor_cache.tgz.part-* | wc -l)" \
+        > "$OUT/inductor_cache.manifest"
     fi ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
