@@ -60,19 +60,20 @@ fi
 # inductor's on-disk cache from an earlier session: PHASE=pack-cache wrote it to $OUT as pieces and a manifest (sha256
 # of the whole .tgz, number of pieces); carried in .device-cache/ (`carry: [".device-cache"]`), over as many calls as
 # the 64 MiB carry needs, the pieces gather in /tmp/inductor-pieces and the cache is unpacked once all are there and
-# the whole checks out, before anything compiles. why: the first compiled decode of a fresh machine spent 300-400 s
-# compiling; a cached graph is loaded instead (a graph the code changed since still compiles)
+# the whole checks out (once a machine), before the call's phases compile. why: the first compiled decode of a fresh
+# machine spent 300-400 s compiling; a cached graph is loaded instead (a graph the code changed since still compiles)
 INDUCTOR_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
 if compgen -G ".device-cache/inductor_cache.*" >/dev/null; then
   mkdir -p /tmp/inductor-pieces && cp .device-cache/inductor_cache.* /tmp/inductor-pieces/
 fi
-if [ -f /tmp/inductor-pieces/inductor_cache.manifest ] && [ ! -d "$INDUCTOR_DIR" ]; then
+if [ -f /tmp/inductor-pieces/inductor_cache.manifest ] && [ ! -f /tmp/inductor-pieces/unpacked ]; then
   read -r want count < /tmp/inductor-pieces/inductor_cache.manifest
   pieces=(/tmp/inductor-pieces/inductor_cache.tgz.part-*)
   if [ "${#pieces[@]}" -eq "$count" ]; then
     got=$(cat "${pieces[@]}" | sha256sum | cut -d' ' -f1)
     if [ "$got" = "$want" ]; then
-      mkdir -p "$INDUCTOR_DIR" && cat "${pieces[@]}" | tar -xz -C "$INDUCTOR_DIR"
+      # into a cache an earlier call of this machine may have begun: entries are keyed by content either way
+      mkdir -p "$INDUCTOR_DIR" && cat "${pieces[@]}" | tar -xz -C "$INDUCTOR_DIR" && touch /tmp/inductor-pieces/unpacked
       echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
     else
       echo "inductor cache pieces do not match their manifest: not used" >&2
@@ -180,7 +181,8 @@ case "$phase" in
     [ -d "$INDUCTOR_DIR" ] || { echo "no inductor cache at $INDUCTOR_DIR" | tee "$OUT/inductor_cache.txt"; continue; }
     ( cd "$INDUCTOR_DIR" && tar -cz . ) > /tmp/inductor_cache.tgz
     size=$(( $(stat -c %s /tmp/inductor_cache.tgz) / 1048576 ))
-    echo "inductor cache: $(du -sh "$INDUCTOR_DIR" | cut -f1) on disk, ${size} MiB gzipped" | tee "$OUT/inductor_cache.txt"
+    echo "inductor cache: $(du -sh "$INDUCTOR_DIR" | cut -f1) on disk, ${size} MiB gzipped" \
+      | tee "$OUT/inductor_cache.txt"
     if [ "$size" -le "${PACK_MAX_MIB:-60}" ]; then
       split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz.part-"
       echo "$(sha256sum < /tmp/inductor_cache.tgz | cut -d' ' -f1) $(ls "$OUT"/inductor_cache.tgz.part-* | wc -l)" \
