@@ -343,7 +343,8 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         # why chunks of blocks under checkpointing (losses.py): the (B, A, gamma, V) logits, log q, q, p and q - p of
         # all blocks at once would be kept for backward (several GB at 2048 tokens x 512 anchors)
         ce_terms, tv_terms, accept, conf_logits = checkpointed_chunks(
-            partial(self._block_terms, h, prev, slot, targets, batch.host_logits), A, chunk_rows(B * gamma * V, device=h.device))
+            partial(self._block_terms, h, prev, slot, targets, batch.host_logits), A,
+            chunk_rows(B * gamma * V, device=h.device))
 
         w = position_weights(gamma, decay=cfg.decay, device=anchors.device)
         ce, tv = weighted_mean(ce_terms, w, valid), weighted_mean(tv_terms, w, valid)

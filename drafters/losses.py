@@ -35,7 +35,8 @@ LOSS_CHUNK_ELEMENTS = 2**24
 # steps 25 chunks each; since the chunking came in, those steps took 0.91-1.06 s on the H100 / H200
 # (benchmarks/h100/steps300_speed, h200/concurrency_smollm2) against 0.18 s unchunked the day before
 # (h200/steps2000_anchors1024, 46 GB peak). 2**28 elements (1 GiB per float32 tensor, about 6 GiB per chunk) is 6
-# DSpark chunks there; a card of less memory gets 1/128 of it (a 24 GB card: about 2**27.5)
+# DSpark chunks there, and took the steps to 0.25 s (DSpark) and 0.28 s (EAGLE-3) on the H200, 14 GB peak
+# (h200/concurrency_smollm2_20261206); a card of less memory gets 1/128 of it (a 24 GB card: about 2**27.5)
 LOSS_CHUNK_ELEMENTS_CUDA = 2**28
 
 
