@@ -11,7 +11,7 @@
 #   PHASE=sps8b bash experiments/runs/engine_h200.sh        # cost_llama8b.json: the random llama-8b SPS(B) table
 #   PHASE=train bash experiments/runs/engine_h200.sh        # a short DSpark + EAGLE-3 training for the speed rows
 #   PHASE=profile bash experiments/runs/engine_h200.sh      # round_profile.json: kernels and ms per round stage
-#   PHASE=pack-cache bash experiments/runs/engine_h200.sh   # inductor's cache in pieces, for .device-cache/ next time
+#   PHASE=pack-cache bash experiments/runs/engine_h200.sh   # inductor's cache in pieces, to stage next session
 #
 # tests, profile and sps8b need no staging (random hosts): PHASE="tests profile" is a good first call of a fresh
 # machine.
@@ -57,30 +57,16 @@ if [ -z "${DSPARK_SMOLLM2_GGUF:-}" ] && compgen -G "$STAGE/*.gguf" >/dev/null; t
   DSPARK_SMOLLM2_GGUF=$(ls "$STAGE"/*.gguf | head -1)
   export DSPARK_SMOLLM2_GGUF
 fi
-# inductor's on-disk cache from an earlier session: PHASE=pack-cache wrote it to $OUT as pieces and a manifest (sha256
-# of the whole .tgz, number of pieces); carried in .device-cache/ (`carry: [".device-cache"]`), over as many calls as
-# the 64 MiB carry needs, the pieces gather in /tmp/inductor-pieces and the cache is unpacked once all are there and
-# the whole checks out (once a machine), before the call's phases compile. why: the first compiled decode of a fresh
-# machine spent 300-400 s compiling; a cached graph is loaded instead (a graph the code changed since still compiles)
+# inductor's on-disk cache from an earlier session: PHASE=pack-cache brought it back in pieces; joined into one
+# inductor_cache.tgz it is staged with the rest (`python ../shared/stage_offline.py --file inductor_cache.tgz`, whose
+# unstage.sh reassembles and checks it) and unpacked here once a machine, into a cache an earlier call may have begun
+# (entries are keyed by content either way). why: the first compiled decode of a fresh machine spent 300-400 s
+# compiling; a cached graph is loaded instead (a graph the code changed since still compiles)
 INDUCTOR_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
-if compgen -G ".device-cache/inductor_cache.*" >/dev/null; then
-  mkdir -p /tmp/inductor-pieces && cp .device-cache/inductor_cache.* /tmp/inductor-pieces/
-fi
-if [ -f /tmp/inductor-pieces/inductor_cache.manifest ] && [ ! -f /tmp/inductor-pieces/unpacked ]; then
-  read -r want count < /tmp/inductor-pieces/inductor_cache.manifest
-  pieces=(/tmp/inductor-pieces/inductor_cache.tgz.part-*)
-  if [ "${#pieces[@]}" -eq "$count" ]; then
-    got=$(cat "${pieces[@]}" | sha256sum | cut -d' ' -f1)
-    if [ "$got" = "$want" ]; then
-      # into a cache an earlier call of this machine may have begun: entries are keyed by content either way
-      mkdir -p "$INDUCTOR_DIR" && cat "${pieces[@]}" | tar -xz -C "$INDUCTOR_DIR" && touch /tmp/inductor-pieces/unpacked
-      echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
-    else
-      echo "inductor cache pieces do not match their manifest: not used" >&2
-    fi
-  else
-    echo "inductor cache: ${#pieces[@]} of $count pieces here so far" >&2
-  fi
+if [ -f "$STAGE/inductor_cache.tgz" ] && [ ! -f "$STAGE/inductor_cache.unpacked" ]; then
+  mkdir -p "$INDUCTOR_DIR" && tar -xzf "$STAGE/inductor_cache.tgz" -C "$INDUCTOR_DIR"
+  touch "$STAGE/inductor_cache.unpacked"
+  echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
 fi
 paths=()
 if [ -n "${CHECKPOINTS:-}" ]; then
@@ -147,12 +133,13 @@ case "$phase" in
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
       --out-dir "$OUT" || true ;;  # 32 prompts: with 16 a row at C <= 16 timed 0.2-3 s (the first H200 sweep)
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
+    steps=${STEPS:-400}
     if [ "${WARM_COMPILE:-1}" = 1 ]; then
       # why: the first compiled decode of a fresh machine spent about 400 s compiling (2026-12-05), a quarter of a
       # session's device time. Once DSpark's last checkpoint is saved (EAGLE-3 trains next), a short run of the
       # concurrency phase's first settings (same prompts, new tokens and cache sizes) fills inductor's on-disk cache
       # for the timed phases; nothing of it is timed, and it is stopped when the trainings end
-      last=$(printf 'checkpoint-%08d' "${STEPS:-400}")
+      last=$(printf 'checkpoint-%08d' "$steps")
       ( while [ ! -d "/tmp/dspark-run/dspark/$last" ]; do sleep 5; done
         exec python3 -m experiments concurrency --host "${HOST:-smollm2}" --drafters ngram dspark \
           --drafter-paths dspark=/tmp/dspark-run/dspark --policies full scheduler --draft-lengths 3 7 \
@@ -160,7 +147,7 @@ case "$phase" in
           --out-dir /tmp/warm-compile ) > "$OUT/warm_compile.log" 2>&1 &
       warm=$!
     fi
-    ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=${STEPS:-400} TRAIN_WAIT_S=${TRAIN_WAIT_S:-480} RUN=/tmp/dspark-run \
+    ONLY=${TRAIN_DRAFTERS:-dspark,eagle3} STEPS=$steps TRAIN_WAIT_S=${TRAIN_WAIT_S:-480} RUN=/tmp/dspark-run \
       REGEN_FROM=experiments/data/sharegpt_smollm2_regen.jsonl.gz \
       python3 experiments/runs/smollm2_h200.py prepare regenerate train
     if [ -n "${warm:-}" ]; then  # its subshell, or the python it became
@@ -176,8 +163,8 @@ case "$phase" in
       ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} \
       ${PROFILE_METHODS:+--methods $PROFILE_METHODS} ${PROFILE_COMPILE:+--compile $PROFILE_COMPILE} \
       ${PROFILE_PROMPT:+--prompt-length $PROFILE_PROMPT} --out-dir "$OUT" ;;
-  pack-cache)  # inductor's cache, gzipped, in 15 MiB pieces (files from $OUT are at most 16 MiB) and a manifest:
-    # up to PACK_MAX_MIB (default 60: four pieces and the manifest within $OUT's eight files) or nothing
+  pack-cache)  # inductor's cache, gzipped, in 15 MiB pieces (files from $OUT are at most 16 MiB; `cat` them into
+    # inductor_cache.tgz): up to PACK_MAX_MIB (default 60, four pieces within $OUT's eight files) or nothing
     [ -d "$INDUCTOR_DIR" ] || { echo "no inductor cache at $INDUCTOR_DIR" | tee "$OUT/inductor_cache.txt"; continue; }
     ( cd "$INDUCTOR_DIR" && tar -cz . ) > /tmp/inductor_cache.tgz
     size=$(( $(stat -c %s /tmp/inductor_cache.tgz) / 1048576 ))
@@ -185,8 +172,6 @@ case "$phase" in
       | tee "$OUT/inductor_cache.txt"
     if [ "$size" -le "${PACK_MAX_MIB:-60}" ]; then
       split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz.part-"
-      echo "$(sha256sum < /tmp/inductor_cache.tgz | cut -d' ' -f1) $(ls "$OUT"/inductor_cache.tgz.part-* | wc -l)" \
-        > "$OUT/inductor_cache.manifest"
     fi ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
