@@ -190,19 +190,23 @@ def cost_table(host, path: str | None, *, concurrency: list[int], draft_lengths:
 
 # ---- the decode backend -----------------------------------------------------------------------------------------
 def static_batch_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
-                        max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationResult:
+                        max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                        timing: bool = False) -> GenerationResult:
     """Static batches of `concurrency` requests through dspark.engine.decode.generate: each batch is admitted at once
-    and a request that stops early is not replaced (not continuous batching)."""
+    and a request that stops early is not replaced (not continuous batching). `timing`: generate's stage split."""
     return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
-                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=concurrency)
+                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=concurrency,
+                    timing=timing)
 
 
 def continuous_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
-                      max_new_tokens: int, sampling: SamplingConfig, seed: int) -> GenerationResult:
+                      max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                      timing: bool = False) -> GenerationResult:
     """Closed loop on the slot engine: `concurrency` requests in flight, a queued one entering as soon as one stops
     (continuous batching, as serving benchmarks run with a maximum concurrency)."""
     return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
-                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency)
+                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency,
+                    timing=timing)
 
 
 def warmed(decode: Callable[..., GenerationResult]) -> Callable[..., GenerationResult]:
@@ -229,10 +233,29 @@ def backend(name: str) -> Callable[..., GenerationResult]:
 
 
 def result_row(result: GenerationResult, *, draft_length: int, **labels) -> dict:
-    """One JSON row: the labels, then summarize()'s metrics (ROW_METRICS) with per_request_tokens_per_s."""
+    """One JSON row: the labels, then summarize()'s metrics (ROW_METRICS) with per_request_tokens_per_s, and where
+    the slot engine decoded it, `engine_stats` (engine_stats)."""
     m = summarize(result, draft_length=draft_length)
-    return {**labels, "draft_length": draft_length, **{k: m[k] for k in ROW_METRICS},
-            "per_request_tokens_per_s": m["tokens_per_s_per_request"]}
+    row = {**labels, "draft_length": draft_length, **{k: m[k] for k in ROW_METRICS},
+           "per_request_tokens_per_s": m["tokens_per_s_per_request"]}
+    if result.engine:
+        row["engine_stats"] = engine_stats(result)
+    return row
+
+
+def engine_stats(result: GenerationResult) -> dict:
+    """Where a slot-engine decode's seconds went, for reading a row's speed: rounds and how many ran the drafter
+    (the others were plain rounds of a draft gate), the mean verify width (tokens per slot per forward), the
+    seconds the CPU waited on the device's copies (the rest of the wall time is its own work: launches, commits,
+    admissions), admissions and their launch seconds, graphs captured and the warm-up left out of `seconds`, and,
+    when decoded with `timing`, the device seconds of each round stage (stage_s)."""
+    e = result.engine
+    widths = e.get("widths") or []
+    return {"rounds": result.rounds, "drafted_rounds": e.get("drafted_rounds"),
+            "mean_width": sum(widths) / len(widths) if widths else None,
+            "wait_s": e.get("wait_s"), "admissions": e.get("admissions"), "admit_s": e.get("admit_s"),
+            "graphs": e.get("graphs"), "warmup_s": e.get("warmup_s"), "overlapped": e.get("overlapped"),
+            "stage_s": e.get("stage_s") or None}
 
 
 # ---- outputs ----------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@
 
 Writes OUT_DIR/concurrency.json: `rows` (one per setting and C: method, policy, draft_length, concurrency, engine,
 tokens_per_s, per_request_tokens_per_s, tau, speedup over plain at the same C, verified_per_round = the policy's
-verify budget per request, pareto), `break_even` (setting -> C or null), and concurrency.md / PNGs: tokens/s
+verify budget per request, pareto, engine_stats: rounds, drafted rounds, CPU wait, per-stage device seconds with
+--stage-timing), `break_even` (setting -> C or null), and concurrency.md / PNGs: tokens/s
 against C, the throughput / per-request speed curve (Pareto front marked) and the verify budget against load.
 
 Engine: rows say which decode backend measured them (experiments.common.DECODE_BACKENDS). "continuous" (default)
@@ -53,6 +54,9 @@ class ConcurrencyOptions:
     engine: str = field(default="continuous", metadata={
         "help": "continuous (closed loop, C in flight) or static-batch (batches of C, no refill)"})
     data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
+    stage_timing: bool = field(default=False, metadata={
+        "help": "CUDA events split every round's device time by stage (each row's engine_stats.stage_s): a "
+                "diagnostic, the events themselves cost a little"})
     merge: list[str] = field(default_factory=list, metadata={
         "help": "concurrency.json files of one sweep run in parts: join their rows into OUT_DIR (nothing decoded)"})
 
@@ -73,7 +77,8 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
     cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths,
                       out_dir=out_dir, drafters=drafters,
                       context=workload_context(prompts, run.max_new_tokens)) if costed else None
-    common = dict(max_new_tokens=run.max_new_tokens, sampling=sampling_config(run.temperature), seed=run.seed)
+    common = dict(max_new_tokens=run.max_new_tokens, sampling=sampling_config(run.temperature), seed=run.seed,
+                  timing=opts.stage_timing)
     rows, skipped = [], []
     for C in opts.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
@@ -120,8 +125,9 @@ def merge(paths: list[str]) -> dict:
     if not docs:
         raise ValueError("--merge needs at least one concurrency.json")
 
-    def comparable(doc: dict) -> dict:
-        return {"host": doc["host"], **{k: v for k, v in doc["settings"].items()
+    def comparable(doc: dict) -> dict:  # settings added since a source was written read as their defaults
+        settings = {"stage_timing": False, **doc["settings"]}
+        return {"host": doc["host"], **{k: v for k, v in settings.items()
                                         if k not in ("concurrency", "out_dir", "cost_table", "merge")}}
     for path, doc in zip(paths[1:], docs[1:]):
         if comparable(doc) != comparable(docs[0]):

@@ -75,6 +75,10 @@ def test_concurrency_writes_rows_break_even_and_plots(concurrency_dir):
         assert {"method", "policy", "draft_length", "concurrency", "tokens_per_s", "per_request_tokens_per_s",
                 "tau", "engine"} <= set(row)
         assert row["engine"] == "continuous" and row["tokens_per_s"] > 0 and row["tau"] >= 1
+        stats = row["engine_stats"]  # where the seconds went: rounds, drafted rounds, the CPU's waits
+        assert stats["rounds"] >= 8 and 0 <= stats["drafted_rounds"] <= stats["rounds"]
+        assert stats["drafted_rounds"] == 0 if row["method"] == "plain" else stats["mean_width"] >= 1
+        assert stats["admissions"] >= 1 and stats["wait_s"] >= 0 and stats["stage_s"] is None  # no CUDA events
     assert {r["method"] for r in rows} == {"plain", "ngram", "dspark"}
     assert all(r["tau"] == 1 and r["draft_length"] == 0 for r in rows if r["method"] == "plain")
     assert set(doc["break_even"]) == {"ngram/full/γ3", "ngram/scheduler/γ3", "dspark/full/γ3",
@@ -102,7 +106,16 @@ def test_concurrency_merges_a_sweep_run_in_parts(concurrency_dir, tmp_path):
     assert "Joined from" in (tmp_path / "joined" / "concurrency.md").read_text()
     with pytest.raises(ValueError, match="at C = 1 again"):
         merge([str(parts[0]), str(parts[0])])
+    older = json.loads(parts[1].read_text())  # written before --stage-timing existed: read as its default
+    del older["settings"]["stage_timing"]
+    parts[1].write_text(json.dumps(older))
+    assert len(merge([str(p) for p in parts])["rows"]) == len(whole["rows"])
+    timed = {**older, "settings": {**older["settings"], "stage_timing": True}}
+    parts[1].write_text(json.dumps(timed))
+    with pytest.raises(ValueError, match=r"other settings .*\(stage_timing\)"):
+        merge([str(p) for p in parts])
     other = json.loads(parts[1].read_text())
+    other["settings"]["stage_timing"] = False
     other["settings"]["max_new_tokens"] = 99
     parts[1].write_text(json.dumps(other))
     with pytest.raises(ValueError, match=r"other settings .*\(max_new_tokens\)"):

@@ -23,7 +23,9 @@
 # --cost-table benchmarks/h200/cost_llama8b.json --policies full scheduler --concurrency 1 2 4 8 16 32 64 128 256
 # 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
-# HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings;
+# HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings,
+# POLICIES and GAMMAS the concurrency phase's; STAGE_TIMING=1 makes that phase a diagnostic (--stage-timing: each
+# row's engine_stats.stage_s splits its rounds' device time by stage) written to $OUT/stage_timing;
 # TESTS the test files of the tests phase; SPEED_COMPILE (on, off, default both) speed.py's --compile; HOST8B and
 # SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager). SDPA (e.g.
 # SDPA=efficient) the SDPA backends that the profile and speed phases allow (profile: round_profile_sdpa-<names>.json;
@@ -129,9 +131,9 @@ case "$phase" in
     # --out-dir DIR` joins the calls' results
     python3 -m experiments concurrency --host "${HOST:-smollm2}" "${compile[@]}" \
       --drafters ${DRAFTERS:-ngram dspark eagle3} \
-      ${paths:+--drafter-paths "${paths[@]}"} --policies full scheduler --draft-lengths 3 7 \
+      ${paths:+--drafter-paths "${paths[@]}"} --policies ${POLICIES:-full scheduler} --draft-lengths ${GAMMAS:-3 7} \
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
-      --out-dir "$OUT" || true ;;  # 32 prompts: with 16 a row at C <= 16 timed 0.2-3 s (the first H200 sweep)
+      ${STAGE_TIMING:+--stage-timing} --out-dir "$OUT${STAGE_TIMING:+/stage_timing}" || true ;;  # 32 prompts: with 16 a row at C <= 16 timed 0.2-3 s (the first H200 sweep)
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
     steps=${STEPS:-400}
     if [ "${WARM_COMPILE:-1}" = 1 ]; then
