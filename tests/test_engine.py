@@ -16,6 +16,7 @@ Shapes: n requests, C slots, K draft positions.
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -497,3 +498,35 @@ def test_stage_timer_leaves_out_rounds_that_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     assert timer.rounds == 2
     assert timer.seconds() == {"draft": 0.004, "verify": 0.002, "accept": 0.002}  # lookahead counts as draft
+
+
+def test_device_work_queued_before_a_capture_counts_as_run_time_not_warm_up(tiny_host, monkeypatch):
+    """Device work queued before a capture (here: the admission's prefill, still running when the first round
+    captures its widths) is the run's: the warm-up clock starts after it is done, so the run's seconds keep it and
+    warmup_s (left out of them) does not. On a GPU a capture's synchronize otherwise waits for that work inside the
+    warm-up window: plain decoding's prefill then vanished from its time, and settings whose first round read the
+    device before capturing (the n-gram drafter, the schedulers) looked slower by it (H200, C = 512).
+
+    The device is simulated on the static runner: an admission leaves QUEUED seconds of work queued, and the first
+    synchronize waits them out."""
+    from dspark.engine.slots import Slots
+
+    QUEUED = 0.3
+    queue = {"s": 0.0}
+    admit = Slots.admit
+
+    def admit_leaving_work(self, *args, **kwargs):
+        out = admit(self, *args, **kwargs)
+        queue["s"] = QUEUED
+        return out
+
+    def synchronize(self):
+        time.sleep(queue["s"])
+        queue["s"] = 0.0
+
+    monkeypatch.setattr(Slots, "admit", admit_leaving_work)
+    monkeypatch.setattr(graphs.GraphRound, "_synchronize", synchronize)
+    for drafter in (None, drafter_of("ngram", tiny_host)):
+        out = generate(tiny_host, prompts_of(tiny_host)[:2], drafter=drafter, draft_length=K, max_new_tokens=4,
+                       concurrency=2, graphs="static")
+        assert out.engine["warmup_s"] < QUEUED <= out.seconds

@@ -147,7 +147,7 @@ class GraphRound:
         self.timer, self.warmup = StageTimer(timing and capture), warmup
         # plain decoding (K = 0) never proposes: nothing to capture there
         self.whole = K > 0 and drafter.capturable and getattr(verifier, "capturable", False)
-        start = time.perf_counter()
+        start = self._clock()
         with self._side_stream():  # why a side stream: kernels' lazy init stays out of the captured streams
             for _ in range(warmup):
                 propose(slots, drafter, verifier, K)
@@ -193,6 +193,15 @@ class GraphRound:
     def _synchronize(self) -> None:
         if self.capture:
             torch.cuda.synchronize()
+
+    def _clock(self) -> float:
+        """The clock at the start of a warm-up or capture, once the device's queued work is done. why: that work
+        (an admission's prefill, the last round) is the run's, and the capture's closing synchronize would wait for
+        it inside the warm-up window, which the run's seconds leave out: on the H200 at C = 512 plain decoding's
+        first capture absorbed the 512 prompts' prefill (0.33 s of warm-up against 0.05 s for a run whose first
+        round read the device before capturing), which made every setting that reads first look slower."""
+        self._synchronize()
+        return time.perf_counter()
 
     def _propose(self) -> None:
         """This round's draft into the static buffers: the propose graph replayed, or run eagerly and copied."""
@@ -241,7 +250,7 @@ class GraphRound:
 
     def _capture(self, L: int, defer: bool) -> None:
         """Warm up and capture verify and accept at L drafts per row, every slot paused (they commit nothing)."""
-        start, slots, taps = time.perf_counter(), self.slots, self.drafter.feature_layers
+        start, slots, taps = self._clock(), self.slots, self.drafter.feature_layers
         active = slots.active.clone()
         slots.active.zero_()
         try:
@@ -264,7 +273,7 @@ class GraphRound:
         slot observes nothing at its end, and its pending count is restored before the real replay."""
         slots, chunks = self.slots, self.backlog.take()
         if chunks not in self.g_flush:
-            start, active, pending = time.perf_counter(), slots.active.clone(), slots.backlog_n.clone()
+            start, active, pending = self._clock(), slots.active.clone(), slots.backlog_n.clone()
             slots.active.zero_()
 
             def flush():

@@ -70,8 +70,13 @@ class Prefill:
         return self.host.step(cache, tokens, plen, taps=self.taps, attend=P, compiled=False)
 
     def _prepare(self, N: int, P: int) -> None:
-        """Static buffers for (N, P), captured as a CUDA graph in graph mode (warm-up on a side stream first)."""
-        start, host, device = time.perf_counter(), self.host, self.host.device
+        """Static buffers for (N, P), captured as a CUDA graph in graph mode (warm-up on a side stream first). The
+        warm-up clock starts once the device's queued work is done (a round launched before this admission): that
+        work is the run's, not warm-up (graphs.GraphRound._clock)."""
+        host, device = self.host, self.host.device
+        if self.mode == "graph":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         if self.scratch is None:
             self.scratch = host.new_cache(GRAPH_ROWS, self.max_len)
         cache = self.scratch.head(N)  # views of the scratch rows this shape uses
