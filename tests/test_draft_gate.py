@@ -54,6 +54,33 @@ def drafted_rounds(gate: DraftGate, tau_of, rounds: int = 40, rows: int = 4) -> 
     return out
 
 
+def drafted_rounds_overlapped(gate: DraftGate, tau_of, rounds: int = 40, rows: int = 4) -> list[int]:
+    """As drafted_rounds, with the overlapped engine's order: round r + 1 is launched (draft_next) before round r is
+    heard (after_round)."""
+    out, told = [], None
+    for r in range(rounds):
+        drafting = gate.draft_next()
+        if drafting:
+            out.append(r)
+        if told is not None:
+            gate.after_round(**told)
+        told = dict(slots=rows, rows=rows, width=K if drafting else 0, drafted=drafting,
+                    committed=rows * (tau_of(r) if drafting else 1))
+    return out
+
+
+def test_overlapped_a_probe_is_one_round_and_a_paying_drafter_still_drafts_every_round():
+    """Launched before a probe's outcome is known, the next round stays plain: a failed probe costs one drafted
+    round, not two (before: rounds 0 and 1 drafted, then every failed probe twice); a probe that pays resumes
+    drafting from the round after the plain one."""
+    failing = drafted_rounds_overlapped(gate_with(0.0), lambda r: 1)
+    assert failing[0] == 0 and all(b - a > 1 for a, b in zip(failing, failing[1:]))
+    assert failing == [0, 3, 7, 13, 23]  # waits 1, 2, 4, 8 after the round launched before each outcome
+    assert drafted_rounds_overlapped(gate_with(1.0), lambda r: 3) == [0] + list(range(2, 40))
+    got = drafted_rounds_overlapped(gate_with(0.0), lambda r: 1 if r < 10 else 3)
+    assert got[:3] == [0, 3, 7] and got[3:] == [13] + list(range(15, 40))
+
+
 def test_gate_skips_while_drafts_do_not_pay_and_probes_with_a_doubling_wait():
     assert drafted_rounds(gate_with(0.0), lambda r: 1) == [0, 2, 5, 10, 19, 36]  # waits 1, 2, 4, 8, 16
 

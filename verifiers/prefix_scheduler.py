@@ -131,14 +131,16 @@ class DraftGate:
     with the llama-8b table, benchmarks/RESULTS.md, where 0.3 / 0.1 / 0.05 were compared; a drafter that never pays
     is still stopped by its first round, since a streak starts from that round alone).
     While gain <= 1, the next rounds are plain: no draft forward, nothing verified. Then one round drafts again as
-    a probe and is judged on its own; a probe that pays resumes drafting every round. The wait after a failure is
+    a probe and is judged on its own (one round also where rounds overlap: those launched before its outcome is
+    heard are plain, `draft_next`); a probe that pays resumes drafting every round. The wait after a failure is
     the longer of two: one that doubles with each failed probe (1, 2, 4, ... up to `max_wait` rounds), and the
     one that keeps probing within `probe_budget` of the time: a probe costs what the failed round cost beyond a
     plain round, t_v(R·(L + 1)) + t_d(R) - t_v(R), so it waits that over probe_budget·t_v(R) rounds (a drafter
     that costs two plain steps, as the quickstart's 2-layer DSpark does on a 2-core CPU, is probed about every
     200 rounds at the default 1 %; the first round always drafts).
 
-    Lossless: whether a round drafts depends only on the counts of finished rounds, never on drafts not yet made,
+    Lossless: whether a round drafts depends only on the counts of finished rounds (and on whether a launched probe
+    was heard yet), never on drafts not yet made,
     and a plain round is an ordinary round with nothing proposed. The price uses realised acceptance, not
     confidences, so it needs no calibration and works for drafters without a confidence head.
     """
@@ -167,9 +169,18 @@ class DraftGate:
     def begin(self) -> None:
         self.gain: float | None = None  # smoothed gain of speculating over plain decoding
         self.wait, self.skip_left, self.probing = 1, 0, False
+        self.awaiting = False  # a probe was launched and its outcome has not been heard (after_round) yet
 
     def draft_next(self) -> bool:
-        return self.skip_left == 0
+        """Whether the next round drafts. A probe (the first round, or the first after a wait) is one round: the
+        rounds launched before its outcome is heard are plain. why: the overlapped slot engine launches round r + 1
+        before it commits round r, so without this a failed probe drafted twice (on the H100 at C = 1, 54 of
+        DSpark's 3,162 gated rounds drafted, each at 2.7x a plain round's cost); in order, the outcome is always
+        heard first and nothing changes."""
+        if self.skip_left > 0 or self.awaiting:
+            return False
+        self.awaiting = self.gain is None or self.probing
+        return True
 
     def _seconds(self, tokens: int) -> float:
         return 1.0 / float(_sps_at(self.cost, torch.tensor([tokens]))[0])
@@ -178,6 +189,7 @@ class DraftGate:
         if not drafted:
             self.skip_left = max(0, self.skip_left - 1)
             return
+        self.awaiting = False  # heard, whatever it shows (a round of no live rows shows nothing: probed again next)
         if rows == 0:
             return
         draft_s = self.fixed_draft_s
