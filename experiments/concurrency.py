@@ -20,6 +20,10 @@ the prompts in successive static batches of C (requests that finish early are no
 requests are decoded at each C.
 Scheduler policies need an SPS(B) table: --cost-table, or one is profiled on this host first (OUT_DIR/cost.json).
 
+--repeats N decodes every row N times per C, rotating the settings' order each time (so that no setting is always
+first at a C); a row then holds the median tokens/s and its speedup is the median of the paired ratios to plain
+decoding's decode of the same repeat, with their range (`speedup_range`): the noise between single decodes (up to
+about 9 % on the H100, RESULTS) is then visible beside each ratio.
 The JSON is rewritten after every C (`"partial": true` until the last), so a run cut short keeps what it measured.
 A sweep too long for one sitting runs as several (e.g. --concurrency 1 4 16 64, then 256 512, each profiling the
 SPS(B) table at its own C) and `--merge A/concurrency.json B/concurrency.json --out-dir DIR` joins them
@@ -28,6 +32,7 @@ into one document (break-even over every C; each source's command and environmen
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +59,10 @@ class ConcurrencyOptions:
     engine: str = field(default="continuous", metadata={
         "help": "continuous (closed loop, C in flight) or static-batch (batches of C, no refill)"})
     data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
+    repeats: int = field(default=1, metadata={
+        "help": "timed decodes of every row per C, the settings' order rotated each time; a row's tokens/s is the "
+                "median, its speedup the median of the ratios to plain decoding's decode of the same repeat (with "
+                "their range)"})
     stage_timing: bool = field(default=False, metadata={
         "help": "CUDA events split every round's device time by stage (each row's engine_stats.stage_s): a "
                 "diagnostic, the events themselves cost a little"})
@@ -64,6 +73,8 @@ class ConcurrencyOptions:
 def check(opts: ConcurrencyOptions) -> None:
     check_settings(opts.policies, concurrency=opts.concurrency, draft_lengths=opts.draft_lengths)
     backend(opts.engine)
+    if isinstance(opts.repeats, bool) or not isinstance(opts.repeats, int) or opts.repeats < 1:
+        raise ValueError(f"--repeats must be an integer >= 1, got {opts.repeats!r}")
 
 
 def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[list[int]], out_dir: Path,
@@ -82,33 +93,52 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
     rows, skipped = [], []
     for C in opts.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
-        plain = result_row(decode(host, batch, drafter=None, verifier=None, draft_length=0, concurrency=C, **common),
-                           draft_length=0, method="plain", policy="none", concurrency=C, engine=opts.engine)
-        rows.append(plain)
-        print(f"C={C:4d} plain {plain['tokens_per_s']:.1f} tok/s", flush=True)
+        settings = [("plain", "none", 0, None)]
         for (name, gamma), drafter in drafters.items():
             trained = trained_length(drafter)
             if name in ("dspark", "dflash") and trained is not None and gamma > trained:
                 skipped.append({"method": name, "draft_length": gamma, "concurrency": C,
                                 "reason": f"gamma {gamma} > the block of {trained} it was trained with"})
                 continue
-            for policy in opts.policies:
-                verifier = build_policy(host, policy, draft_length=gamma, path=drafter_path(run.drafter_paths, name,
-                                                                                              gamma),
-                                        threshold=opts.threshold, cost=cost)
+            settings += [(name, policy, gamma, drafter) for policy in opts.policies]
+        timed: dict[int, list[dict]] = {}
+        for repeat in range(opts.repeats):
+            # why rotated: plain decoding first at every C made its row the one that met each C's first-use costs
+            shift = repeat % len(settings)
+            for i in list(range(shift, len(settings))) + list(range(shift)):
+                name, policy, gamma, drafter = settings[i]
+                verifier = None if drafter is None else build_policy(
+                    host, policy, draft_length=gamma, path=drafter_path(run.drafter_paths, name, gamma),
+                    threshold=opts.threshold, cost=cost)
                 result = decode(host, batch, drafter=drafter, verifier=verifier, draft_length=gamma, concurrency=C,
                                 **common)
-                row = result_row(result, draft_length=gamma, method=name, policy=policy, concurrency=C,
-                                 engine=opts.engine, trained_length=trained)
-                rows.append(row)
-                print(f"C={C:4d} {setting_key(row):24s} tau {row['tau']:.2f} {row['tokens_per_s']:.1f} tok/s",
-                      flush=True)
+                labels = dict(method=name, policy=policy, concurrency=C, engine=opts.engine)
+                if drafter is not None:
+                    labels["trained_length"] = trained_length(drafter)
+                row = result_row(result, draft_length=gamma, **labels)
+                timed.setdefault(i, []).append(row)
+                print(f"C={C:4d} {setting_key(row):24s} tau {row['tau']:.2f} {row['tokens_per_s']:.1f} tok/s"
+                      + (f" (repeat {repeat + 1}/{opts.repeats})" if opts.repeats > 1 else ""), flush=True)
+        rows += [_repeated(timed[i]) for i in range(len(settings))]
         if progress is not None and C != opts.concurrency[-1]:
             so_far = [dict(r) for r in rows]
             add_speedup(so_far)
             progress({"rows": so_far, "skipped": list(skipped)})
     add_speedup(rows)
     return {"rows": rows, "skipped": skipped}
+
+
+def _repeated(runs: list[dict]) -> dict:
+    """One row from a setting's timed decodes of one C: the first decode's row (τ and the counts are the same in
+    every repeat: same prompts, seeds and gate decisions), tokens/s and per-request tokens/s their medians, each
+    decode's tokens/s kept (`tokens_per_s_repeats`) for add_speedup's paired ratios."""
+    row = dict(runs[0])
+    if len(runs) > 1:
+        row["tokens_per_s_repeats"] = [r["tokens_per_s"] for r in runs]
+        row["tokens_per_s"] = statistics.median(row["tokens_per_s_repeats"])
+        row["per_request_tokens_per_s"] = statistics.median(r["per_request_tokens_per_s"] for r in runs)
+        row["seconds"] = statistics.median(r["seconds"] for r in runs)
+    return row
 
 
 def merge(paths: list[str]) -> dict:
@@ -126,7 +156,7 @@ def merge(paths: list[str]) -> dict:
         raise ValueError("--merge needs at least one concurrency.json")
 
     def comparable(doc: dict) -> dict:  # settings added since a source was written read as their defaults
-        settings = {"stage_timing": False, **doc["settings"]}
+        settings = {"stage_timing": False, "repeats": 1, **doc["settings"]}
         return {"host": doc["host"], **{k: v for k, v in settings.items()
                                         if k not in ("concurrency", "out_dir", "cost_table", "merge")}}
     for path, doc in zip(paths[1:], docs[1:]):
@@ -155,12 +185,18 @@ def merge(paths: list[str]) -> dict:
 
 def add_speedup(rows: list[dict]) -> None:
     """rows[i]["speedup"] = tokens/s over plain decoding's at the same concurrency (and, for replayed rows, on the
-    same trace: the same requests); rows[i]["pareto"] marks the rows no other row beats on both tokens/s and
-    per-request tokens/s."""
-    plain = {(r.get("trace"), r["concurrency"]): r["tokens_per_s"] for r in rows if is_plain(r)}
+    same trace: the same requests); with repeats (`tokens_per_s_repeats` on both rows) the median of the paired
+    ratios, repeat by repeat, and their range in `speedup_range`. rows[i]["pareto"] marks the rows no other row
+    beats on both tokens/s and per-request tokens/s."""
+    plain = {(r.get("trace"), r["concurrency"]): r for r in rows if is_plain(r)}
     for r in rows:
         base = plain.get((r.get("trace"), r["concurrency"]))
-        r["speedup"] = r["tokens_per_s"] / base if base else float("nan")
+        mine, theirs = r.get("tokens_per_s_repeats"), None if base is None else base.get("tokens_per_s_repeats")
+        if mine and theirs and len(mine) == len(theirs):
+            ratios = [a / b for a, b in zip(mine, theirs)]
+            r["speedup"], r["speedup_range"] = statistics.median(ratios), [min(ratios), max(ratios)]
+        else:
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else float("nan")
     for r in rows:
         r["pareto"] = not any(o["tokens_per_s"] >= r["tokens_per_s"]
                               and o["per_request_tokens_per_s"] >= r["per_request_tokens_per_s"]
@@ -192,10 +228,14 @@ def render(doc: dict, out: Path) -> Section:
     from dspark.metrics import markdown_table
 
     rows = doc["rows"]
-    table = markdown_table(rows, [("concurrency", "C"), ("method", "method"), ("policy", "policy"),
-                                  ("draft_length", "γ"), ("tau", "τ"), ("verified_per_round", "verified/req/round"),
-                                  ("tokens_per_s", "tokens/s"), ("per_request_tokens_per_s", "tokens/s per request"),
-                                  ("speedup", "× plain"), ("pareto", "Pareto")])
+    columns = [("concurrency", "C"), ("method", "method"), ("policy", "policy"), ("draft_length", "γ"), ("tau", "τ"),
+               ("verified_per_round", "verified/req/round"), ("tokens_per_s", "tokens/s"),
+               ("per_request_tokens_per_s", "tokens/s per request"), ("speedup", "× plain")]
+    if any("speedup_range" in r for r in rows):  # repeats: the paired ratios' range beside their median
+        rows = [{**r, "range": "–".join(f"{x:.3f}" for x in r["speedup_range"]) if "speedup_range" in r else ""}
+                for r in rows]
+        columns.append(("range", "× plain, range of repeats"))
+    table = markdown_table(rows, columns + [("pareto", "Pareto")])
     engines = sorted({r["engine"] for r in rows})
     even = "\n".join(f"| {k} | {'never (still faster at the largest C)' if v is None else v} |"
                      for k, v in doc["break_even"].items())

@@ -106,8 +106,8 @@ def test_concurrency_merges_a_sweep_run_in_parts(concurrency_dir, tmp_path):
     assert "Joined from" in (tmp_path / "joined" / "concurrency.md").read_text()
     with pytest.raises(ValueError, match="at C = 1 again"):
         merge([str(parts[0]), str(parts[0])])
-    older = json.loads(parts[1].read_text())  # written before --stage-timing existed: read as its default
-    del older["settings"]["stage_timing"]
+    older = json.loads(parts[1].read_text())  # written before --stage-timing and --repeats: read as defaults
+    del older["settings"]["stage_timing"], older["settings"]["repeats"]
     parts[1].write_text(json.dumps(older))
     assert len(merge([str(p) for p in parts])["rows"]) == len(whole["rows"])
     timed = {**older, "settings": {**older["settings"], "stage_timing": True}}
@@ -120,6 +120,28 @@ def test_concurrency_merges_a_sweep_run_in_parts(concurrency_dir, tmp_path):
     parts[1].write_text(json.dumps(other))
     with pytest.raises(ValueError, match=r"other settings .*\(max_new_tokens\)"):
         merge([str(p) for p in parts])
+
+
+def test_concurrency_repeats_give_paired_ratios_and_their_range(cost_path, tmp_path, capsys):
+    """--repeats 2: every row decoded twice per C (the settings' order rotated), tokens/s the median of its two
+    decodes, speedup the median of the paired ratios to plain decoding's decode of the same repeat, with their
+    range; the same τ as one decode (same prompts, seeds, gate decisions). --repeats 0 is refused."""
+    run("experiment", "concurrency", *SMALL, "--drafters", "ngram", "--policies", "full", "scheduler",
+        "--draft-lengths", "3", "--concurrency", "2", "--repeats", "2", "--cost-table", str(cost_path),
+        "--out-dir", str(tmp_path))
+    doc = load(tmp_path / "concurrency.json")
+    assert len(doc["rows"]) == 3 and doc["settings"]["repeats"] == 2
+    plain = next(r for r in doc["rows"] if r["method"] == "plain")
+    for row in doc["rows"]:
+        times = row["tokens_per_s_repeats"]
+        assert len(times) == 2 and row["tokens_per_s"] == pytest.approx(sum(times) / 2)
+        ratios = [a / b for a, b in zip(times, plain["tokens_per_s_repeats"])]
+        assert row["speedup"] == pytest.approx(sum(ratios) / 2)
+        assert row["speedup_range"] == pytest.approx([min(ratios), max(ratios)])
+    assert plain["speedup"] == 1.0 and plain["speedup_range"] == [1.0, 1.0]
+    assert "range of repeats" in (tmp_path / "concurrency.md").read_text()
+    assert cli(["experiment", "concurrency", *SMALL, "--repeats", "0", "--out-dir", str(tmp_path / "none")]) == 1
+    assert "--repeats must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_concurrency_keeps_the_finished_c_when_a_run_is_cut_short(cost_path, tmp_path, monkeypatch):
