@@ -24,8 +24,8 @@
 # 512 --out-dir benchmarks/h200/predict_llama8b` (the trained drafters' traces join once their checkpoints exist).
 #
 # HOST (default smollm2), NEW (new tokens, default 128), NUM_PROMPTS, CONC and DRAFTERS override the settings,
-# POLICIES, GAMMAS and REPEATS (--repeats) the concurrency phase's; STAGE_TIMING=1 makes that phase a diagnostic (--stage-timing: each
-# row's engine_stats.stage_s splits its rounds' device time by stage) written to $OUT/stage_timing;
+# POLICIES, GAMMAS and REPEATS (--repeats) the concurrency phase's; STAGE_TIMING=1 makes that phase a diagnostic
+# (--stage-timing: each row's engine_stats.stage_s splits its rounds' device time by stage) in $OUT/stage_timing;
 # TESTS the test files of the tests phase; SPEED_COMPILE (on, off, default both) speed.py's --compile; HOST8B and
 # SPS_MODE the sps8b host and timing mode (a CPU dry run: HOST8B=random:tiny-llama SPS_MODE=eager). SDPA (e.g.
 # SDPA=efficient) the SDPA backends that the profile and speed phases allow (profile: round_profile_sdpa-<names>.json;
@@ -133,7 +133,8 @@ case "$phase" in
       --drafters ${DRAFTERS:-ngram dspark eagle3} \
       ${paths:+--drafter-paths "${paths[@]}"} --policies ${POLICIES:-full scheduler} --draft-lengths ${GAMMAS:-3 7} \
       --concurrency ${CONC:-1 4 16 64 256 512} --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens "${NEW:-128}" \
-      ${STAGE_TIMING:+--stage-timing} ${REPEATS:+--repeats "$REPEATS"} --out-dir "$OUT${STAGE_TIMING:+/stage_timing}" || true ;;  # 32 prompts: with 16 a row at C <= 16 timed 0.2-3 s (the first H200 sweep)
+      ${STAGE_TIMING:+--stage-timing} ${REPEATS:+--repeats "$REPEATS"} \
+      --out-dir "$OUT${STAGE_TIMING:+/stage_timing}" || true ;;  # 32 prompts: with 16, a row at C <= 16 timed 0.2-3 s
   train)  # one drafter after another (two side by side ran out of memory), resumable by running the phase again
     steps=${STEPS:-400}
     if [ "${WARM_COMPILE:-1}" = 1 ]; then
