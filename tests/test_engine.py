@@ -511,7 +511,7 @@ def test_device_work_queued_before_a_capture_counts_as_run_time_not_warm_up(tiny
     synchronize waits them out."""
     from dspark.engine.slots import Slots
 
-    QUEUED = 0.3
+    QUEUED = 0.5  # seconds: far above the tiny host's own warm-up (milliseconds)
     queue = {"s": 0.0}
     admit = Slots.admit
 
