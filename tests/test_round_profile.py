@@ -56,3 +56,27 @@ def test_round_profile_sets_sdpa_and_inductor_and_names_its_file(tmp_path):
             restrict_sdpa(["fastest"])
     finally:
         restrict_sdpa([name for name, on in switches.items() if on])
+
+
+def test_loop_profile_writes_the_loops_top_functions_for_plain_and_a_policy(tmp_path, capsys):
+    """benchmarks/loop_profile.py on the CPU: plain decoding and a (drafter, policy) on the same prompts, each with
+    its decode's seconds, rounds, engine stats and the functions with the most own time (no CUDA calls here)."""
+    script = load_script("benchmarks/loop_profile.py")
+    assert script.main(["--device", "cpu", "--host", "random:tiny-llama", "--drafter", "ngram", "--policy", "full",
+                        "--concurrency", "2", "--num-prompts", "4", "--new", "4", "--top", "5",
+                        "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "loop_profile.json").read_text())
+    assert [r["method"] for r in result["rows"]] == ["plain", "ngram/full"]
+    for row in result["rows"]:
+        assert row["seconds"] > 0 and row["rounds"] >= 4 and row["engine_stats"]["rounds"] == row["rounds"]
+        assert len(row["top"]) == 5 and row["top"][0]["own_s"] >= row["top"][-1]["own_s"]
+        assert row["blocking"] == {}
+    assert "== ngram/full:" in capsys.readouterr().out
+
+
+def test_loop_profile_refuses_a_scheduler_without_a_cost_table(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        load_script("benchmarks/loop_profile.py").main(["--device", "cpu", "--host", "random:tiny-llama",
+                                                        "--policy", "scheduler", "--out-dir", str(tmp_path)])
