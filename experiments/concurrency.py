@@ -93,20 +93,20 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
     rows, skipped = [], []
     for C in opts.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
-        settings = [("plain", "none", 0, None)]
+        settings = [("plain", "none", 0, None, None)]  # (method, policy, gamma, drafter, its trained length)
         for (name, gamma), drafter in drafters.items():
             trained = trained_length(drafter)
             if name in ("dspark", "dflash") and trained is not None and gamma > trained:
                 skipped.append({"method": name, "draft_length": gamma, "concurrency": C,
                                 "reason": f"gamma {gamma} > the block of {trained} it was trained with"})
                 continue
-            settings += [(name, policy, gamma, drafter) for policy in opts.policies]
+            settings += [(name, policy, gamma, drafter, trained) for policy in opts.policies]
         timed: dict[int, list[dict]] = {}
         for repeat in range(opts.repeats):
             # why rotated: plain decoding first at every C made its row the one that met each C's first-use costs
             shift = repeat % len(settings)
             for i in list(range(shift, len(settings))) + list(range(shift)):
-                name, policy, gamma, drafter = settings[i]
+                name, policy, gamma, drafter, trained = settings[i]
                 verifier = None if drafter is None else build_policy(
                     host, policy, draft_length=gamma, path=drafter_path(run.drafter_paths, name, gamma),
                     threshold=opts.threshold, cost=cost)
@@ -114,7 +114,7 @@ def measure(host, run: RunOptions, opts: ConcurrencyOptions, *, prompts: list[li
                                 **common)
                 labels = dict(method=name, policy=policy, concurrency=C, engine=opts.engine)
                 if drafter is not None:
-                    labels["trained_length"] = trained_length(drafter)
+                    labels["trained_length"] = trained
                 row = result_row(result, draft_length=gamma, **labels)
                 timed.setdefault(i, []).append(row)
                 print(f"C={C:4d} {setting_key(row):24s} tau {row['tau']:.2f} {row['tokens_per_s']:.1f} tok/s"
