@@ -89,7 +89,8 @@ class Pricing:
     admission's prefill, before its first step. `observe_seconds(rows)`, when given, prices the drafter's observe
     of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too),
     or, with `deferred_observe` (the engine's backlog, dspark.engine.graphs.defers_observe), for a gated decode's
-    plain steps one observe per verify width of K + 1 of them, paid at the next drafted step or when 4 widths fill.
+    plain steps one observe of all of them, paid at the next drafted step or when 4 verify widths of K + 1 fill,
+    priced as an observe over rows x widths rows (the same positions: its width-(K + 1) price scaled by rows).
     `step_overhead_ms` is added to every step (the engine's acceptance and CPU bookkeeping) and `admission_ms` to
     every step that admits requests (one prefill per group of arrivals). `overlap`: the engine's overlapped rounds
     (dspark.engine.serve.overlap_allowed), each launched before the last one is committed: a verifier hears of a
@@ -183,13 +184,14 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         accepted = torch.minimum(ell, logged_acc)  # (R,)
         B = pricing.verify_tokens(ell, concurrency, K)
         rows = concurrency if pricing.slots else R  # the rows a draft step covers
-        observes = int(policy is not None)  # this step's own observe
+        observes, flushed = int(policy is not None), 0  # this step's own observe; the backlog's rows x widths
         if policy is not None and pricing.deferred_observe and gate is not None:
             if not drafting:  # a plain step's features wait in the backlog, observed a width at a time later
                 observes, backlog = 0, backlog + 1
-            if backlog and (drafting or backlog == backlog_rounds(K)):
-                observes, backlog = observes + -(-backlog // (K + 1)), 0
+            if backlog and (drafting or backlog == backlog_rounds(K)):  # one observe over the widths it spans
+                flushed, backlog = rows * -(-backlog // (K + 1)), 0
         draft_s = (pricing.draft(rows) if drafting else 0.0) + observes * pricing.observe(rows)
+        draft_s += pricing.observe(flushed) if flushed else 0.0
         last_step_s = 1.0 / float(cost(B)) + draft_s + pricing.step_overhead_ms / 1000.0
         now += last_step_s
         steps += 1

@@ -425,25 +425,32 @@ def drafter_context(drafter, slots) -> list[torch.Tensor]:
 
 
 @RUNNERS
+@pytest.mark.parametrize("widths", [1, 3], ids=["backlog-1-width", "backlog-3-widths"])
 @pytest.mark.parametrize("name", ["dspark-trained", "eagle3"])
 def test_a_gated_drafter_observes_its_plain_rounds_later_as_it_would_have(tiny_host, monkeypatch, graphs, overlap,
-                                                                           name):
+                                                                           name, widths):
     """Under a draft gate, the plain rounds of DSpark and EAGLE-3 (Drafter.observe_batched) keep their features and
     the drafter observes them before the next drafted round (graphs.defers_observe), and when the backlog is full
-    (one verify width here): every round drafts and accepts what it does with an observe per round, the drafter
-    holds the same context at every propose, and the tokens are the same."""
+    (one or three verify widths here; a flush observes all of its widths in one call, round.flush_observe):
+    every round drafts and accepts what it does with an observe per round, the drafter holds the same context at
+    every propose, and the tokens are the same."""
     import dspark.engine.graphs as runners
 
-    monkeypatch.setattr(runners, "backlog_rounds", lambda K: K + 1)  # a backlog of one verify width
-    flushed = []  # whether each flush came before a drafted round
-    due = runners.Backlog.due
+    monkeypatch.setattr(runners, "backlog_rounds", lambda K: widths * (K + 1))
+    flushed, spans = [], []  # whether each flush came before a drafted round; the verify widths each observed
+    due, take = runners.Backlog.due, runners.Backlog.take
 
     def recorded(self, drafting):
         if due(self, drafting):
             flushed.append(drafting)
             return True
         return False
+
+    def counted(self):
+        spans.append(take(self))
+        return spans[-1]
     monkeypatch.setattr(runners.Backlog, "due", recorded)
+    monkeypatch.setattr(runners.Backlog, "take", counted)
     drafter, prompts = drafter_of(name, tiny_host), prompts_of(tiny_host)
     assert drafter.observe_batched
     cost = CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0})
@@ -469,7 +476,40 @@ def test_a_gated_drafter_observes_its_plain_rounds_later_as_it_would_have(tiny_h
     assert len(contexts[True]) == len(contexts[False]) > 0
     for got, want in zip(contexts[True], contexts[False]):  # EAGLE-3's layer output: attention over more rows
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
-    assert True in flushed and False in flushed  # before drafted rounds, and a full backlog mid plain run
+    assert True in flushed  # before drafted rounds
+    if widths == 1:
+        assert False in flushed  # and a full backlog mid plain run
+    else:
+        assert max(spans) > 1  # one observe over several verify widths
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3"])
+def test_a_backlog_observe_reaching_past_the_drafter_cache_keeps_its_committed_positions(tiny_host, name):
+    """A flush observes several verify widths in one call (round.flush_observe), so a row whose backlog is short
+    (admitted mid-backlog, or idle) pads past its length by up to the whole window, which may reach past the
+    drafter's cache: those padding positions are clamped to its last one (Drafter.observe_batched), never an error
+    and never a committed position, and the row's length is start + n_valid."""
+    from dspark.engine.protocol import DraftState
+
+    drafter = build_any(name, tiny_host, None)
+    B, max_len, taps = 2, 16, drafter.feature_layers
+    drafter.begin(host=tiny_host, batch_size=B, max_len=max_len)
+    cap = drafter.cache.max_len
+    F = len(taps) * tiny_host.hidden_size
+    seq = torch.randint(0, tiny_host.vocab_size, (B, cap + 1))
+    state = DraftState(seq=seq, seq_len=torch.full((B,), cap - 2), seeds=torch.zeros(B, dtype=torch.long),
+                       rounds=torch.zeros(B, dtype=torch.long), sampling=SamplingConfig())
+    torch.manual_seed(1)
+    committed = cap - 3  # one position short of the cache's end but two
+    drafter.observe(features=torch.randn(B, committed, F), start=torch.zeros(B, dtype=torch.long),
+                    n_valid=torch.full((B,), committed), state=state)
+    before = drafter.cache.k[:, :, :, :committed].clone()
+    width = 12  # e.g. three verify widths of K + 1 = 4: far past the cache's end
+    drafter.observe(features=torch.randn(B, width, F), start=torch.full((B,), committed),
+                    n_valid=torch.tensor([0, 1]), state=state)
+    assert torch.equal(drafter.cache.k[:, :, :, :committed], before)
+    if name == "dspark":  # its cache's lengths follow observe (EAGLE-3 masks by position)
+        assert drafter.cache.lengths.tolist() == [committed, committed + 1]
 
 
 def test_generate_takes_overlap(tiny_host):

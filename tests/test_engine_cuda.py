@@ -223,16 +223,19 @@ def test_grouped_attention_runs_without_the_math_backend(dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("widths", [1, 3], ids=["backlog-1-width", "backlog-3-widths"])
 @pytest.mark.parametrize("name", ["dspark", "eagle3"])
-def test_gated_backlog_in_captured_rounds_equals_an_observe_per_round(cuda_host, tmp_path, monkeypatch, name):
+def test_gated_backlog_in_captured_rounds_equals_an_observe_per_round(cuda_host, tmp_path, monkeypatch, name,
+                                                                      widths):
     """The scheduler's draft gate with DSpark or EAGLE-3 in captured, overlapped rounds: plain rounds keep their
-    features in the backlog (its width-0 accept graph and flush graphs, graphs.defers_observe), and every round
-    drafts and accepts what it does when the drafter observes each round (fp32, greedy), with the same tokens."""
+    features in the backlog (its width-0 accept graph and flush graphs, graphs.defers_observe; a flush observes
+    its verify widths in one call), and every round drafts and accepts what it does when the drafter observes each
+    round (fp32, greedy), with the same tokens."""
     import dspark.engine.graphs as runners
     from verifiers import build_verifier
     from verifiers.cost_model import CostModel
 
-    monkeypatch.setattr(runners, "backlog_rounds", lambda K: K + 1)  # a backlog of one verify width: it fills
+    monkeypatch.setattr(runners, "backlog_rounds", lambda K: widths * (K + 1))  # small, so that it fills
     drafter = build_any(name, cuda_host, tmp_path).to("cuda")
     prompts = random_prompts([5, 1, 12, 7, 3, 9], cuda_host.vocab_size, seed=5)
     cost = CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0})

@@ -410,9 +410,10 @@ def test_simulator_replays_the_draft_gate():
     assert gated["tokens_per_s"] > 0.95 * plain["tokens_per_s"]
 
 
-def test_simulator_prices_a_deferred_observe_a_verify_width_at_a_time():
-    """The engine's backlog (Pricing.deferred_observe): a gated decode's plain steps pay one observe per K + 1 of
-    them instead of one each; with a 5 ms observe on a 20 ms step the gate then comes near plain decoding."""
+def test_simulator_prices_a_deferred_observe_once_per_flush():
+    """The engine's backlog (Pricing.deferred_observe): a gated decode's plain steps pay one observe per flush (up
+    to 4 verify widths of K + 1 of them) instead of one each; with a 5 ms observe on a 20 ms step the gate then
+    comes near plain decoding."""
     flat = CostModel.flat(50.0)
     trace = _trace([0] * 8, [[0.99, 0.99, 0.99]] * 8, new_tokens=64, n=2)  # K = 3: a width is 4 positions
     plain = simulate(trace, policy=None, concurrency=2, cost=flat, requests=2)

@@ -59,9 +59,9 @@ def defers_observe(drafter, verifier, K: int) -> bool:
     next drafted round (round.accept(defer=True), round.flush_observe), for a drafter that may observe positions
     later and many at once (`Drafter.observe_batched`). why: a gate that stops drafting keeps the drafter's cache
     up to date every plain round, which on the H100 made DSpark's accept stage 0.10 ms against plain decoding's
-    0.03 ms (about 6 % of a plain round at C = 1); one observe per verify width of backlog reads the drafter's
-    weights once for K + 1 rounds. Greedy tokens are those of per-round observes (the same positions from the same
-    features; the drafts may differ by the rounding of a wider matrix product)."""
+    0.03 ms (about 6 % of a plain round at C = 1); one observe of the backlog reads the drafter's weights once
+    for up to BACKLOG_CHUNKS x (K + 1) rounds. Greedy tokens are those of per-round observes (the same positions
+    from the same features; the drafts may differ by the rounding of a wider matrix product)."""
     return K > 0 and getattr(drafter, "observe_batched", False) and getattr(verifier, "gates_drafts", False)
 
 
@@ -268,9 +268,9 @@ class GraphRound:
         self.warmup_s += time.perf_counter() - start
 
     def _flush(self) -> None:
-        """The backlog observed (round.flush_observe over as many verify widths as it may fill, one graph per count
-        up to BACKLOG_CHUNKS), each captured at its first use with every slot paused as _capture does: a paused
-        slot observes nothing at its end, and its pending count is restored before the real replay."""
+        """The backlog observed (round.flush_observe: one observe over the verify widths the pending rounds span,
+        one graph per count up to BACKLOG_CHUNKS), each captured at its first use with every slot paused as _capture
+        does: a paused slot observes nothing at its end, and its pending count is restored before the real replay."""
         slots, chunks = self.slots, self.backlog.take()
         if chunks not in self.g_flush:
             start, active, pending = self._clock(), slots.active.clone(), slots.backlog_n.clone()

@@ -88,7 +88,9 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()
     #: True when observe writes each position from its own features alone (no state carried from one position to
     #: the next), so positions may be observed later and many at once: under a draft gate the slot engine then keeps
-    #: plain rounds' features and observes them before the next drafted round (dspark.engine.round.flush_observe)
+    #: plain rounds' features and observes them before the next drafted round (dspark.engine.round.flush_observe),
+    #: in one call of up to round.backlog_rounds(K) positions per row; padding positions past n_valid that would
+    #: fall beyond the drafter's cache are clamped to its last position (never a committed one)
     observe_batched: bool = False
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:

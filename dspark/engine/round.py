@@ -177,17 +177,16 @@ def backlog_rounds(K: int) -> int:
 
 
 def flush_observe(slots, drafter, K: int, chunks: int) -> None:
-    """The drafter observes the backlog (every slot's features of the plain rounds since its last observe), `chunks`
-    verify widths of K + 1 positions, one width per call as a round observes, then the backlog is empty. The host's
-    cache holds every committed position, so each slot's backlog starts at its cache length less its backlog;
-    chunks past a slot's backlog observe nothing at its end (n_valid 0), as an idle slot's row does in a round.
-    The same positions from the same features as the plain rounds would have observed them (observe_batched)."""
-    W, n = K + 1, slots.backlog_n * slots.active
-    start = slots.cache.lengths - n  # (C,)
-    observe = drafter_fn(drafter, "observe", slots.host)
-    for j in range(chunks):
-        observe(features=slots.backlog[:, j * W:(j + 1) * W], start=start + n.clamp(max=j * W),
-                n_valid=(n - j * W).clamp(0, W), state=slots.state)
+    """The drafter observes the backlog (every slot's features of the plain rounds since its last observe) in one
+    call over `chunks` verify widths of K + 1 positions, then the backlog is empty. The host's cache holds every
+    committed position, so each slot's backlog starts at its cache length less its backlog; the rest of a row is
+    padding (n_valid), as in a round's observe. The same positions from the same features as the plain rounds
+    would have observed them (observe_batched). why one call rather than one per verify width: an observe is a
+    fixed run of small kernels whatever its width on the GPU (the H100 stage split of 2026-12-06 put the four
+    width-8 observes of a flush at about 0.7 ms each, DSpark at C = 1), and a flush then reads the weights once."""
+    n = slots.backlog_n * slots.active
+    drafter_fn(drafter, "observe", slots.host)(features=slots.backlog[:, :chunks * (K + 1)],
+                                               start=slots.cache.lengths - n, n_valid=n, state=slots.state)
     slots.backlog_n.zero_()
 
 
