@@ -53,7 +53,8 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     recorded.parent.mkdir()
     # an earlier session measured EAGLE-3 (and trained it); this one measures DSpark on the same prompts
     recorded.write_text(json.dumps({"eval": {"eagle3_sharegpt_T0": _summary(2.0, [8, 6, 4], [4, 3, 2])},
-                                    "train": {"eagle3": {"steps": 1000}}, "sessions": [{"date": "earlier"}]}))
+                                    "train": {"eagle3": {"steps": 1000}}, "sessions": [{"date": "earlier"}],
+                                    "speed": {"eagle3": {"1": {"tokens_per_s": 90.0, "ratio": 0.9}}}}))
     (recorded.parent / "metrics_eagle3.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
     module = _driver(tmp_path, monkeypatch, RECORDED=str(recorded), ONLY="dspark")
     (module.RUN / "eval").mkdir()
@@ -62,8 +63,15 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     (module.RUN / "draft_cost").mkdir()  # `dspark profile --drafter-path ...`'s table: DSpark's step 4 ms at 1 row
     (module.RUN / "draft_cost" / "dspark.json").write_text(json.dumps(
         {"draft": {"dspark/K7/123": {"batch_sizes": [1, 16], "seconds": [0.004, 0.006]}}}))
+    (module.RUN / "speed" / "dspark").mkdir(parents=True)  # `dspark bench`: plain and DSpark rows of one run
+    (module.RUN / "speed" / "dspark" / "bench.json").write_text(json.dumps({"rows": [
+        {"method": "plain", "concurrency": 1, "tokens_per_s": 100.0, "tau": 1.0, "mean_in_flight": 1.0},
+        {"method": "dspark", "concurrency": 1, "tokens_per_s": 150.0, "tau": 2.5, "mean_in_flight": 1.0}]}))
     module.collect()
     report = json.loads((module.OUT / "results.json").read_text())
+    assert report["speed"]["eagle3"] == {"1": {"tokens_per_s": 90.0, "ratio": 0.9}}  # the earlier session's
+    assert report["speed"]["dspark"]["1"]["ratio"] == pytest.approx(1.5)
+    assert "| dspark | 1 | 150.0 | 100.0 | 1.50 | 2.50 |" in (module.OUT / "results.md").read_text()
     assert report["tau"] == {"eagle3/sharegpt/T0": 2.0, "dspark/sharegpt/T0": 3.0, "ngram/humaneval/T1": 1.5}
     assert report["draft_ms"] == {"dspark": {"1": pytest.approx(4.0), "16": pytest.approx(6.0)}}
     assert report["accepted_per_draft_ms"] == {"dspark/sharegpt/T0": pytest.approx((3.0 - 1) / 4.0)}
@@ -108,7 +116,7 @@ def test_dry_run_pipeline_writes_every_tau_key(tmp_path):
     env = dict(os.environ, DRY_RUN="1", RUN=str(tmp_path / "run"), OUT=str(tmp_path / "out"), HF_HUB_OFFLINE="1")
     for name in ("ONLY", "STEPS", "TRAIN_WAIT_S", "REGEN_FROM", "BASELINES", "RECORDED"):
         env.pop(name, None)
-    phases = ["prepare", "regenerate", "train", "baselines", "evaluate", "collect"]
+    phases = ["prepare", "regenerate", "train", "baselines", "evaluate", "speed", "collect"]
     done = subprocess.run([sys.executable, str(SCRIPT), *phases], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -118,9 +126,13 @@ def test_dry_run_pipeline_writes_every_tau_key(tmp_path):
     assert all(len(report["per_position"][key]) == 7 for key in KEYS)
     assert {"sharegpt_T0: dspark / eagle3", "humaneval_T1: dspark / small-lm"} <= set(report["paired"])
     assert set(report["draft_ms"]) == {"dspark", "dflash", "eagle3", "ngram", "small-lm"}
+    assert set(report["speed"]) == {"dspark", "dflash", "eagle3", "ngram", "small-lm"}  # each against plain
+    assert all(sorted(by_c) == ["1", "2"] and all(row["ratio"] > 0 for row in by_c.values())
+               for by_c in report["speed"].values())
     out = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(out) <= 8 and "sharegpt_qwen_coder_regen.jsonl.gz" in out and "results.md" in out
     # a second call finds everything done: no phase redoes work
     again = subprocess.run([sys.executable, str(SCRIPT), *phases], env=env, cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 0 and "dspark eval" not in again.stdout and "regenerate --host" not in again.stdout
+    assert "dspark bench" not in again.stdout

@@ -2,13 +2,16 @@
 
 The phases are smollm2_h200.py's (imported, rebound to this host through its `configure`), plus what this host
 needs: `prepare` converts the staged GGUFs, `regenerate` first picks the prompts (ShareGPT train split: 2048 coding
-and 2048 general first user turns), `baselines` runs plain / n-gram / small-LM, `collect` merges earlier sessions'
+and 2048 general first user turns), `baselines` runs plain / n-gram / small-LM, `speed` times each finished drafter
+and baseline against plain decoding (`dspark bench`, concurrency 1 and 8), `collect` merges earlier sessions'
 results (benchmarks/h200/qwen_coder_1p5b/results.json) so that three sessions make one table. Every phase skips or
-resumes what an earlier, interrupted call finished; run a phase again after a kill.
+resumes what an earlier, interrupted call finished; run a phase again after a kill. A `train` that has not
+finished ends the call's phases (run `train` alone, or in `background`, before phases that do not need it).
 
     python experiments/runs/qwen_coder_h200.py prepare regenerate           # converts, self-distils
-    ONLY=dspark TRAIN_WAIT_S=0 python experiments/runs/qwen_coder_h200.py train baselines   # trains detached
-    ONLY=dspark python experiments/runs/qwen_coder_h200.py train evaluate collect
+    ONLY=dspark TRAIN_WAIT_S=0 python experiments/runs/qwen_coder_h200.py train   # trains detached
+    BASELINES=plain,ngram python experiments/runs/qwen_coder_h200.py baselines   # beside the training
+    ONLY=dspark python experiments/runs/qwen_coder_h200.py train evaluate speed collect
     ... background PHASE ...   # the phases in a detached process (outlives the call); later phases wait for it
     ... status                 # logs and training progress, nothing else
 
@@ -52,9 +55,10 @@ Session 2 (DFlash and the small-LM baseline, ~24 min): the chunks' `bash .device
   ONLY=dflash TRAIN_WAIT_S=0 Q background prepare regenerate train` (DFlash trains while the 0.5B's chunks travel);
   last chunk: pip install again, `$E && BASELINES=small-lm Q prepare baselines collect` (the 0.5B converts, four
   small-LM evaluations), then `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train` and `ONLY=dflash TRAIN_WAIT_S=420
-  timeout 555 Q train evaluate; ONLY=dflash Q collect`.
+  timeout 555 Q train evaluate; ONLY=dflash Q collect`, then, with the time left, `ONLY=dflash BASELINES=ngram,small-lm
+  Q speed collect` (a bench per drafter, about 1-2 min each with its compile; not yet run on this host).
 Session 3 (EAGLE-3, ~25 min): as session 2 without the 0.5B: `ONLY=eagle3 TRAIN_WAIT_S=0 Q background prepare
-  regenerate train` in the last chunk's call, then train / evaluate / collect calls. EAGLE-3's step was 1.1-1.4x
+  regenerate train` in the last chunk's call, then train / evaluate / speed / collect calls. EAGLE-3's step was 1.1-1.4x
   DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min for 2000 steps; if `status` projects past the session, lower nothing
   (STEPS is the recipe) but say the run is cut and stop at the last checkpoint (`train` saves every 500 steps).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
@@ -94,12 +98,14 @@ MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 1024))
 PROMPTS = dict(code=2048, general=2048, max_chars=2000)
 REGEN = dict(limit=4096, max_prompt_length=512, max_new_tokens=320, batch_size=int(os.environ.get("REGEN_BATCH", 256)))
 EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164)
+SPEED = dict(concurrency=(1, 8), num_prompts=16, max_new_tokens=256)  # `speed`: dspark bench, closed loop
 SEQ = dict(seq_len=2048, batch_size=int(os.environ.get("BATCH", 2)))
 if DRY_RUN:  # minutes on a CPU; the 152k vocabulary is the real one, so keep every logits tensor small
     STEPS, MAX_ANCHORS = 2, 16
     PROMPTS = dict(code=6, general=6, max_chars=600)
     REGEN = dict(limit=12, max_prompt_length=256, max_new_tokens=24, batch_size=12)
     EVAL = dict(limit=3, max_prompt_length=256, max_new_tokens=12, humaneval=3)
+    SPEED = dict(concurrency=(1, 2), num_prompts=2, max_new_tokens=8)
     SEQ = dict(seq_len=128, batch_size=1)
     HOST, SMALL = str(RUN / "hosts" / "host"), str(RUN / "hosts" / "small")
 DRAFTERS = base.drafter_recipes(base.BACKBONE_LAYERS, MAX_ANCHORS)
@@ -239,6 +245,42 @@ def evaluate() -> None:
         _draft_cost(name, "--drafter-path", str(checkpoint_dir(RUN / name)))
 
 
+def speed() -> None:
+    """Wall-clock against plain decoding (issue 24 item 4), one `dspark bench` per drafter into
+    RUN/speed/NAME/bench.json: plain rows and the drafter's in the same process, on the same prompts (the six
+    MT-Bench first turns, repeated), closed loop at each of SPEED's concurrencies, verify-all at gamma, greedy, the
+    engine's CUDA defaults (compiled host layers, graph rounds). Each finished drafter of DRAFTERS, then the
+    baselines that load in this session (n-gram, the small LM)."""
+    from dspark.api import checkpoint_dir
+
+    flags = {name: ("--drafter-path", str(checkpoint_dir(RUN / name))) for name in DRAFTERS if base._finished(name)}
+    if "ngram" in BASELINES:
+        flags["ngram"] = ("--drafter", "ngram")
+    small = _small_lm() if "small-lm" in BASELINES else None
+    if small:
+        flags["small-lm"] = ("--drafter", "small-lm", "--drafter-path", small)
+    for name, extra in flags.items():
+        out = RUN / "speed" / name
+        if not (out / "bench.json").exists():
+            base.dspark("bench", "--host", HOST, *extra, "--draft-length", str(base.GAMMA), "--concurrency",
+                        *map(str, SPEED["concurrency"]), "--num-prompts", str(SPEED["num_prompts"]),
+                        "--max-new-tokens", str(SPEED["max_new_tokens"]), "--out-dir", str(out))
+
+
+def speeds(previous: dict) -> dict:
+    """{drafter: {C: tokens_per_s, plain_tokens_per_s, ratio, tau, mean_in_flight}} from RUN/speed/*/bench.json,
+    earlier sessions' merged; each ratio is over the plain rows of the same bench run."""
+    out = dict(previous.get("speed", {}))
+    for path in sorted((RUN / "speed").glob("*/bench.json")):
+        rows = json.loads(path.read_text())["rows"]
+        plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "plain"}
+        out[path.parent.name] = {str(r["concurrency"]): {
+            "tokens_per_s": r["tokens_per_s"], "plain_tokens_per_s": plain.get(r["concurrency"]),
+            "ratio": r["tokens_per_s"] / plain[r["concurrency"]] if plain.get(r["concurrency"]) else None,
+            "tau": r["tau"], "mean_in_flight": r["mean_in_flight"]} for r in rows if r["method"] != "plain"}
+    return out
+
+
 _TAG = re.compile(r"^(?P<drafter>.+)_(?P<set>sharegpt|humaneval)_T(?P<t>\d+(?:\.\d+)?)$")
 
 
@@ -253,11 +295,12 @@ def draft_ms(previous: dict) -> dict:
     return out
 
 
-def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None) -> dict:
+def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None, speed: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
     acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, `draft_ms` (each drafter's own
     work per round, propose plus observe, at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one
-    request's draft step: tau per unit of draft cost), and what is still missing."""
+    request's draft step: tau per unit of draft cost), `speed` (wall-clock against plain decoding, `speeds`), and
+    what is still missing."""
     drafts = drafts or {}
     keys = {}
     for tag in evals:
@@ -280,7 +323,7 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
                      "regenerate": REGEN, "eval": EVAL, "drafters": base.drafter_recipes(base.BACKBONE_LAYERS,
                                                                                          MAX_ANCHORS),
                      "common": base.common_yaml(), "dry_run": DRY_RUN},
-        "train": train, "sessions": sessions, "eval": evals,
+        "speed": speed or {}, "train": train, "sessions": sessions, "eval": evals,
     }
 
 
@@ -296,7 +339,8 @@ def collect() -> None:
     train = dict(previous.get("train", {}))
     trained_here = [n for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()]
     train.update({name: base._train_summary(name) for name in trained_here})
-    report = results(evals, train, previous.get("sessions", []) + [base._environment()], draft_ms(previous))
+    report = results(evals, train, previous.get("sessions", []) + [base._environment()], draft_ms(previous),
+                     speeds(previous))
     (OUT / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (OUT / "results.md").write_text(_markdown(report) + "\n" + base._table(evals, report["paired"]))
     curves = {n: Path(RECORDED).parent / f"metrics_{n}.jsonl" for n in TAU_DRAFTERS[:3]} if RECORDED else {}
@@ -332,6 +376,15 @@ def _markdown(report: dict) -> str:
     for key, curve in sorted(report["per_position"].items()):
         if curve:
             lines.append(f"- {key}: " + " ".join("—" if c is None or c != c else f"{c:.2f}" for c in curve))
+    if report["speed"]:
+        lines += ["", "Wall-clock (`dspark bench`, verify-all, greedy; ratio over plain decoding in the same run):", "",
+                  "| drafter | C | tokens/s | plain tokens/s | ratio | tau |", "| --- | --- | --- | --- | --- | --- |"]
+        for drafter, by_c in sorted(report["speed"].items()):
+            for c, row in sorted(by_c.items(), key=lambda item: int(item[0])):
+                cells = [f"{row[k]:{f}}" if row.get(k) is not None else "—"
+                         for k, f in (("tokens_per_s", ".1f"), ("plain_tokens_per_s", ".1f"), ("ratio", ".2f"),
+                                      ("tau", ".2f"))]
+                lines.append(f"| {drafter} | {c} | " + " | ".join(cells) + " |")
     if report["missing"]:
         lines += ["", "Not measured yet: " + ", ".join(report["missing"])]
     return "\n".join(lines) + "\n"
@@ -371,7 +424,7 @@ def wait_for_background() -> bool:
     return True
 
 
-PHASES = {"prepare": prepare, "regenerate": regenerate, "train": base.train, "baselines": baselines,
+PHASES = {"prepare": prepare, "regenerate": regenerate, "train": base.train, "baselines": baselines, "speed": speed,
           "evaluate": evaluate, "collect": collect, "status": status}
 
 
