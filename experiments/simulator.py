@@ -186,7 +186,7 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         rows = concurrency if pricing.slots else R  # the rows a draft step covers
         observes, flushed = int(policy is not None), 0  # this step's own observe; the backlog's rows x widths
         if policy is not None and pricing.deferred_observe and gate is not None:
-            if not drafting:  # a plain step's features wait in the backlog, observed a width at a time later
+            if not drafting:  # a plain step's features wait in the backlog, observed all at once later
                 observes, backlog = 0, backlog + 1
             if backlog and (drafting or backlog == backlog_rounds(K)):  # one observe over the widths it spans
                 flushed, backlog = rows * -(-backlog // (K + 1)), 0
