@@ -59,8 +59,9 @@ Session 2 (DFlash and the small-LM baseline, ~24 min): the chunks' `bash .device
   Q speed collect` (a bench per drafter, about 1-2 min each with its compile; not yet run on this host).
 Session 3 (EAGLE-3, ~25 min): as session 2 without the 0.5B: `ONLY=eagle3 TRAIN_WAIT_S=0 Q background prepare
   regenerate train` in the last chunk's call, then train / evaluate / speed / collect calls. EAGLE-3's step was 1.1-1.4x
-  DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min for 2000 steps; if `status` projects past the session, lower nothing
-  (STEPS is the recipe) but say the run is cut and stop at the last checkpoint (`train` saves every 500 steps).
+  DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min for 2000 steps, so it must start as soon as the 1.5B GGUF is
+  complete; `evaluate` takes finished trainings only, so a training cut by the session is lost (STEPS is the
+  recipe: do not lower it for one drafter).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Commit each session's results.json / results.md / metrics_*.jsonl / training_curves.png here (collect merges them).
 
