@@ -216,8 +216,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
                 state: DraftState) -> None:
         T = features.shape[1]
-        # clamped: a backlog's padding may reach past the cache (Drafter.observe_batched); committed positions never
-        positions = (start.unsqueeze(1) + torch.arange(T, device=start.device)).clamp(max=self.cache.max_len - 1)
+        positions = self.cache.window(start, T)  # (B, T), padding past the cache clamped
         ctx = self.context_norm(self.fc(features.to(self.dtype)))  # (B, T, H) H_ctx
         cos, sin = self.shared.rotary(ctx, positions)
         # padding rows past n_valid are written too: they sit at or past the new length, masked until overwritten

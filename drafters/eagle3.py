@@ -187,8 +187,7 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
     def observe(self, *, features: torch.Tensor | None, start: torch.Tensor, n_valid: torch.Tensor,
                 state: DraftState) -> None:
         B, T, _ = features.shape
-        # clamped: a backlog's padding may reach past the cache (Drafter.observe_batched); committed positions never
-        positions = (start.unsqueeze(1) + torch.arange(T, device=start.device)).clamp(max=self.cache.max_len - 1)
+        positions = self.cache.window(start, T)  # (B, T), padding past the cache clamped
         # the token after each observed position is committed by now (the loop writes seq before observing);
         # padding slots past n_valid write keys past the context, overwritten before anything attends to them
         following = state.seq.gather(1, (positions + 1).clamp(max=state.seq.shape[1] - 1))  # (B, T)

@@ -42,6 +42,13 @@ class KVCache:
         """(B, T) absolute positions of the next T tokens of every request."""
         return self.lengths.unsqueeze(1) + torch.arange(T, device=self.lengths.device)
 
+    def window(self, start: torch.Tensor, T: int) -> torch.Tensor:
+        """(B, T) positions start[b] .. start[b] + T - 1 of a write, those past the cache clamped to its last one.
+        why: a drafter's observe writes padding rows past n_valid too, and a backlog observed in one call
+        (Drafter.observe_batched) may pad past the end; the last position is never a committed one (a cache is
+        sized with room beyond the longest context), so the clamped padding lands where nothing reads it."""
+        return (start.unsqueeze(1) + torch.arange(T, device=start.device)).clamp(max=self.max_len - 1)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store k, v (B, Hkv, T, D) of `layer` at `positions` (B, T)."""
         if torch.compiler.is_compiling():  # traced by torch.compile (a compiled drafter's propose or observe)
