@@ -14,7 +14,8 @@ tokens); the rest are overwritten next round, so rollback is moving a length.
 Fixed shapes and no host sync, so the slot engine captures the propose step as a CUDA graph (`capturable`). More
 than W pending tokens happen only after plain rounds (Verifier.draft_next) or without a prefill; an eager propose
 first feeds that backlog (one device read), a captured one feeds W per round until it has caught up (its drafts
-meanwhile follow an older context: still lossless, since only verified tokens are kept).
+meanwhile follow an older context: still lossless, since only verified tokens are kept). "Captured" is
+`dspark.engine.protocol.fixed_shapes`: the capture itself and the graph runner's warm-ups and static re-runs.
 """
 from __future__ import annotations
 
@@ -24,14 +25,9 @@ import torch
 
 from dspark.engine.host import Host
 from dspark.engine.kv_cache import KVCache
-from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.protocol import DraftState, Drafter, Proposal, fixed_shapes
 
 SPARE_POSITIONS = 64  # cache positions past the engine's max_len (see begin); also the largest K
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether this call is being captured into a CUDA graph (no device reads allowed)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_same_tokenizer(tokenizer, host, *, source: str) -> None:
@@ -116,7 +112,9 @@ class SmallLMDrafter(Drafter):
         B = state.seq.shape[0]
         cache, device = self.cache, state.seq.device
         W, attend = K + 1, None  # None: the whole cache (fixed shapes, capturable)
-        if not capturing(device):
+        # why fixed_shapes, not "is the stream capturing": a graph runner's warm-ups must run the shapes its capture
+        # runs, or torch.compile recompiles the host-step pieces inside the capture (protocol.graph_shapes)
+        if not fixed_shapes(device):
             backlog = state.seq_len - cache.lengths - W  # (B,) past W only after plain rounds, or without a prefill
             width, end = (int(x) for x in torch.stack([backlog.max(), state.seq_len.max()]).cpu())  # one read
             self._feed(state, backlog, width)

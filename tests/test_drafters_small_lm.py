@@ -213,7 +213,7 @@ def test_captured_propose_needs_no_backlog_after_the_prefill(tiny_host, small, m
     those of the eager loop, with requests admitted at different rounds."""
     import drafters.small_lm
 
-    monkeypatch.setattr(drafters.small_lm, "capturing", lambda device: True)
+    monkeypatch.setattr(drafters.small_lm, "fixed_shapes", lambda device: True)
     records, propose = [], small.propose
 
     def recorded(state, k):  # the slot engine keeps the drafter's own slot state: record on the drafter itself
@@ -233,3 +233,47 @@ def test_captured_propose_needs_no_backlog_after_the_prefill(tiny_host, small, m
         assert torch.equal(again.tokens[live], proposal.tokens[live])
     want = generate(tiny_host, prompts, drafter=small, draft_length=K, max_new_tokens=[12, 5, 14, 8], engine="eager")
     assert got.token_ids == want.token_ids
+
+
+def test_graph_runner_warms_up_the_steps_its_capture_runs(tiny_host, monkeypatch):
+    """The graph round runner proposes `warmup` times before it records (on CUDA: captures) the propose. A warm-up
+    that took the eager path (a bucketed prefix of the cache, a backlog feed) ran other small-LM steps than the
+    capture (the whole cache), so torch.compile recompiled the step pieces inside the capture (H100, torch 2.11:
+    "operation not permitted when stream is capturing"). Every step the warm-ups, the recording and its re-runs
+    make is the capturable one (attend None), and the recording makes none the warm-ups did not."""
+    from collections import defaultdict
+
+    from dspark.engine import graphs
+    from dspark.engine.protocol import VerifyAll, fixed_shapes, graph_shapes
+    from dspark.engine.slots import Slots
+
+    drafter = SmallLMDrafter(tiny_model("llama", layers=1, seed=3), tiny_host)
+    verifier = VerifyAll()
+    verifier.bind(drafter=drafter, K=K)
+    slots = Slots(tiny_host, drafter, verifier, capacity=2, max_len=64, sampling=SamplingConfig())
+    phase, steps, step, record = ["warmup"], defaultdict(set), drafter.lm.step, graphs.GraphRound._record
+
+    def stepped(cache, tokens, n_valid, **kw):  # (token width, attend, compiled) of every small-LM step
+        steps[phase[0]].add((tokens.shape[1], kw.get("attend"), kw.get("compiled")))
+        return step(cache, tokens, n_valid, **kw)
+
+    def recorded(self, fn, pool=None):
+        phase[0] = "record"
+        try:
+            return record(self, fn, pool)
+        finally:
+            phase[0] = "after"
+
+    monkeypatch.setattr(drafter.lm, "step", stepped)
+    monkeypatch.setattr(graphs.GraphRound, "_record", recorded)
+    runner = graphs.round_runner(slots, tiny_host, drafter, verifier, K, graphs="static")
+    assert runner.whole and not steps["after"]  # the propose was recorded, and nothing but it stepped
+    phase[0] = "replay"
+    runner._propose()  # a replay: the static runner re-runs the recorded propose
+    assert steps["record"] and steps["record"] <= steps["warmup"] and steps["replay"] <= steps["warmup"]
+    assert all(attend is None for _, attend, _ in steps["warmup"] | steps["record"] | steps["replay"])
+    cpu = torch.device("cpu")
+    assert not fixed_shapes(cpu)  # nothing left open
+    with graph_shapes():
+        assert fixed_shapes(cpu)
+    assert not fixed_shapes(cpu)

@@ -20,6 +20,12 @@ next round's draft (the propose graph replayed once more) and writes its longest
 Backlog (`defers_observe`): under a draft gate, a plain round of a drafter that may observe positions later keeps
 its features in the slots' backlog (its own width-0 accept graph), and the drafter observes them before the next
 drafted round or when the backlog is full (a flush graph per number of verify widths it spans).
+
+Fixed shapes: every warm-up of a graph, its recording and (capture off) every re-run of it run inside
+protocol.graph_shapes, so a drafter with an eager path and a capturable one (protocol.fixed_shapes) runs its
+capturable one there: a warm-up must compile and touch exactly what the capture will (a torch.compile recompile
+inside a capture fails). The context lives in the engine core (protocol.py), which drafters import: the engine
+never imports a drafter.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import time
 
 import torch
 
+from dspark.engine.protocol import graph_shapes
 from dspark.engine.round import AHEAD, Draft, accept, backlog_rounds, drafts_to_verify, \
     flush_observe, no_draft, propose, verify, width_bucket, width_on_cpu
 
@@ -148,7 +155,9 @@ class GraphRound:
         # plain decoding (K = 0) never proposes: nothing to capture there
         self.whole = K > 0 and drafter.capturable and getattr(verifier, "capturable", False)
         start = self._clock()
-        with self._side_stream():  # why a side stream: kernels' lazy init stays out of the captured streams
+        # why a side stream: kernels' lazy init stays out of the captured streams; why graph_shapes (a captured
+        # propose only): the warm-ups run the shapes the capture runs (module docstring, Fixed shapes)
+        with self._side_stream(), (graph_shapes() if self.whole else contextlib.nullcontext()):
             for _ in range(warmup):
                 propose(slots, drafter, verifier, K)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # verify and accept (module docstring)
@@ -178,7 +187,9 @@ class GraphRound:
 
     def _record(self, fn, pool=None):
         """(replay, outputs): fn captured as a CUDA graph in `pool` (default: the verify and accept pool), or
-        (static) fn itself, re-run on replay with its fresh outputs copied into the first run's."""
+        (static) fn itself, re-run on replay with its fresh outputs copied into the first run's. Either way fn runs
+        inside graph_shapes, as a replay replays what the capture ran."""
+        fn = _fixed_shapes(fn)
         if not self.capture:
             out = fn()
             return (lambda: _copy_into(out, fn())), out
@@ -254,7 +265,7 @@ class GraphRound:
         active = slots.active.clone()
         slots.active.zero_()
         try:
-            with self._side_stream():
+            with self._side_stream(), graph_shapes():
                 for _ in range(self.warmup):
                     accept(slots, self.drafter, self.draft, verify(slots, self.host, self.draft, L, taps, None),
                            defer=defer)
@@ -280,7 +291,7 @@ class GraphRound:
                 flush_observe(slots, self.drafter, self.K, chunks)
                 return slots.backlog_n
             try:
-                with self._side_stream():
+                with self._side_stream(), graph_shapes():
                     for _ in range(self.warmup):
                         flush()
                 self.g_flush[chunks], _ = self._record(flush)
@@ -300,6 +311,14 @@ def _replay(graph) -> None:
         graph.replay()
     else:
         graph()
+
+
+def _fixed_shapes(fn):
+    """fn run inside graph_shapes (protocol.fixed_shapes holds): what GraphRound records, and re-runs when static."""
+    def run():
+        with graph_shapes():
+            return fn()
+    return run
 
 
 def _copy_into(buffers, fresh) -> None:

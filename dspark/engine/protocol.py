@@ -10,11 +10,42 @@ history). Lengths must not depend on tokens they are deciding about beyond what 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from dspark.engine.sampling import STREAM_DRAFT, SamplingConfig, process, sample
+
+
+# how many graph_shapes blocks are open (a plain global, not a ContextVar: the engine runs on one thread, and
+# torch.compile guards on a global int where it would break its graph on a ContextVar's get)
+_graph_shapes = 0
+
+
+@contextlib.contextmanager
+def graph_shapes():
+    """A block that a graph runner will capture, or whose shapes its capture must find compiled already: its
+    warm-ups, its recording and (capture off, the static runner) every re-run of a recorded graph
+    (dspark.engine.graphs.GraphRound). Inside it `fixed_shapes` holds, so a drafter runs its capturable path
+    there, not only under the capture itself. why: a warm-up that took the eager path ran other shapes than the
+    capture (the small-LM drafter attended a bucketed prefix of its cache, the capture the whole cache), so
+    torch.compile recompiled the host-step pieces inside the capture, which CUDA forbids (H100, torch 2.11:
+    "operation not permitted when stream is capturing")."""
+    global _graph_shapes
+    _graph_shapes += 1
+    try:
+        yield
+    finally:
+        _graph_shapes -= 1
+
+
+def fixed_shapes(device: torch.device) -> bool:
+    """Whether the running code must keep the shapes and the device-read-free path a CUDA graph captures: while a
+    stream of `device` is capturing, or inside `graph_shapes` (a graph runner's warm-ups and recording). A
+    drafter with an eager path (shapes from values read off the device) and a capturable one picks by this, never
+    by torch.cuda.is_current_stream_capturing alone: the warm-ups must run exactly what the capture runs."""
+    return _graph_shapes > 0 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 @dataclass
@@ -79,7 +110,8 @@ class Drafter:
     #: writing these rows into the full batch's state in place; the static batch is the case of one admission.
     slot_state: tuple[str, ...] = ()
     #: True when propose/observe are tensor-only (no host syncs, no Python branching on values) and update state in
-    #: place: the slot engine may then capture them in a CUDA graph
+    #: place: the slot engine may then capture them in a CUDA graph. A drafter that has an eager path besides (device
+    #: reads, value-dependent shapes) takes the capturable one whenever `fixed_shapes` holds
     capturable: bool = False
     #: False when propose/observe must not be compiled whole (dspark.engine.compiled.drafter_fn) though capturable:
     #: the small-LM drafter, whose steps are a Host's, already compiled piece by piece when the host is
