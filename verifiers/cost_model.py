@@ -62,7 +62,7 @@ import torch
 
 from dspark.engine.compiled import drafter_fn
 from dspark.engine.jsonio import read_versioned_json, write_json_atomic
-from dspark.engine.protocol import DraftState, Drafter
+from dspark.engine.protocol import DraftState, Drafter, graph_shapes
 from dspark.engine.sampling import SamplingConfig
 
 FORMAT = "dspark.cost_model"
@@ -258,12 +258,15 @@ def _runner(fn, device: torch.device, mode: str, warmup: int):
         return fn
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # kernels' lazy initialisation (and any compilation) stays out of the capture
+    # kernels' lazy initialisation (and any compilation) stays out of the capture; graph_shapes: the warm-ups run
+    # the path and shapes the capture runs (a drafter's capturable one, dspark.engine.protocol.fixed_shapes), or
+    # torch.compile would recompile inside the capture
+    with torch.cuda.stream(side), graph_shapes():
         for _ in range(max(1, warmup)):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), graph_shapes():
         fn()
     return graph.replay
 
