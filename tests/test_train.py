@@ -117,6 +117,28 @@ def test_sparse_attention_flag_reaches_the_block_mask(tmp_path, monkeypatch):
     assert asked and not any(asked)
 
 
+def test_stage_timing_splits_the_steps_it_is_asked_for(tmp_path, monkeypatch):
+    """stage_timing_every = 3: steps 3 and 6 log `stage_s` (host forward, drafter forward, backward, optimizer),
+    whose sum is the step's own time but what the record-keeping after the optimizer takes; the others log none."""
+    laps = []
+    monkeypatch.setattr(train_module.StageClock, "lap", lambda self, stage, lap=train_module.StageClock.lap:
+                        (laps.append(stage) if self.on else None, lap(self, stage))[1])
+    cfg = synthetic_config(tmp_path / "run", max_steps=6, eval_every=0, save_every=6, grad_accum=2,
+                           stage_timing_every=3)
+    train(cfg)
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    timed = {r["step"]: r["stage_s"] for r in records if "stage_s" in r}
+    assert sorted(timed) == [3, 6]
+    for step, stages in timed.items():
+        assert list(stages) == ["host", "forward", "backward", "optimizer"] and min(stages.values()) > 0
+        step_s = next(r["step_s"] for r in records if r["step"] == step)
+        assert 0.5 * step_s < sum(stages.values()) <= step_s
+    # per timed step: each of the 2 micro-batches laps host, forward, backward; then one optimizer lap
+    assert laps == (["host", "forward", "backward"] * 2 + ["optimizer"]) * 2
+    with pytest.raises(ValueError, match="stage_timing_every"):
+        synthetic_config(tmp_path / "bad", stage_timing_every=-1)
+
+
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
     steady = synthetic_config(tmp_path / "steady", grad_accum=2)
     train(steady)

@@ -112,6 +112,9 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "keep the newest N checkpoints"})
     eval_every: int = field(default=500, metadata={"help": "evaluate on held-out data every N steps (0 = off)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per evaluation"})
+    stage_timing_every: int = field(default=0, metadata={
+        "help": "every N-th step also logs `stage_s`: seconds in the host forward, the drafter's forward and loss, "
+                "backward and the optimizer, each stage closed by a device synchronize on those steps only (0 = off)"})
     report_to: Literal["none", "wandb", "tensorboard"] = field(default="none", metadata={
         "help": "tracker besides metrics.jsonl (wandb runs offline unless WANDB_MODE is set)"})
     project: str = field(default="dspark", metadata={"help": "tracker project name"})
@@ -132,6 +135,8 @@ class TrainConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.eval_every < 0 or not 0.0 <= self.warmup_ratio < 1.0 or self.epochs <= 0:
             raise ValueError("eval_every must be >= 0, warmup_ratio in [0, 1) and epochs > 0")
+        if self.stage_timing_every < 0:
+            raise ValueError(f"stage_timing_every must be >= 0, got {self.stage_timing_every}")
 
 
 # Sizes a run leaves unset (None), by device. Without a GPU: the quickstart's `small` recipe (dspark/quickstart.py,
@@ -646,10 +651,37 @@ def resume(run: Run, resume_from: Path | None) -> int:
     return step
 
 
+class StageClock:
+    """Seconds per stage of one training step, for `stage_timing_every`. Each `lap` closes a stage with a device
+    synchronize, so that the GPU's queued work is counted in the stage that queued it; off, a lap does nothing (no
+    synchronize: the step keeps its host-device overlap). Written here: torch.profiler would trace every kernel of
+    a 0.4 s step, where four numbers per logged step are the question (where a step's time goes)."""
+
+    STAGES = ("host", "forward", "backward", "optimizer")
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.device, self.on = device, on
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.last = self._now() if on else 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        if self.on:
+            now = self._now()
+            self.seconds[stage] += now - self.last
+            self.last = now
+
+
 def train_step(run: Run, step: int) -> dict:
     """One optimizer step (grad_accum micro-batches) from `step`; returns its metrics record (step = step + 1)."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     rank, world = accelerator.process_index, accelerator.num_processes
+    every = cfg.stage_timing_every
+    clock = StageClock(run.device, on=every > 0 and (step + 1) % every == 0)
     started = time.perf_counter()
     outputs, tokens = [], 0
     row_log = os.environ.get("DSPARK_TRAIN_ROW_LOG")
@@ -660,6 +692,7 @@ def train_step(run: Run, step: int) -> dict:
         first = (micro * world + rank) * cfg.batch_size  # this process's first place in the global row order
         batch = make_batch(run.host, rows, taps=run.taps, device=run.device, pad_token_id=run.pad_token_id,
                            autocast=run.autocast, anchor_seeds=_anchor_seeds(cfg.seed, range(first, first + len(rows))))
+        clock.lap("host")
         tokens += sum(len(r.input_ids) for r in rows)
         if row_log:
             with open(Path(row_log) / f"rows-{rank}.jsonl", "a") as fh:
@@ -668,6 +701,7 @@ def train_step(run: Run, step: int) -> dict:
         with accelerator.no_sync(model) if a < cfg.grad_accum - 1 else nullcontext():
             with run.autocast():
                 out = model(batch)
+            clock.lap("forward")
             loss = out.loss
             if world > 1 and out.weight is not None:
                 # why: DDP averages the processes' gradients, weighing each process's mean alike; scaled by the
@@ -677,6 +711,7 @@ def train_step(run: Run, step: int) -> dict:
                                                  reduction="sum"))
                 loss = loss * (out.weight * world / total) if total > 0 else loss
             accelerator.backward(loss / cfg.grad_accum)
+            clock.lap("backward")
         outputs.append(out)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable,
                                                cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
@@ -684,6 +719,7 @@ def train_step(run: Run, step: int) -> dict:
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
+    clock.lap("optimizer")
     step += 1
     record = {"kind": "train", "step": step, "epoch": step * cfg.grad_accum / run.order.per_epoch,
               **_summary(outputs, accelerator, slots=cfg.grad_accum), "lr": lr, "grad_norm": float(grad_norm)}
@@ -692,6 +728,8 @@ def train_step(run: Run, step: int) -> dict:
     record["step_s"] = seconds  # the optimizer step alone; "time" (Unix) also counts evaluation and saving
     record["time"] = time.time()
     record["peak_mem_gb"] = _peak_memory_gb(run.device)
+    if clock.on:
+        record["stage_s"] = clock.seconds
     return record
 
 

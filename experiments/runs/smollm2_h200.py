@@ -104,6 +104,7 @@ save_every: {max(1, STEPS // 4)}
 keep_checkpoints: 1
 eval_every: {max(1, STEPS // 4)}
 eval_batches: {8 if STEPS > 10 else 1}
+stage_timing_every: {max(1, STEPS // 20)}
 bf16: true
 report_to: none
 """
@@ -431,7 +432,16 @@ def _train_summary(name: str) -> dict:
             "tokens_per_s_median": sorted(speed)[len(speed) // 2] if speed else None,
             "peak_mem_gb": max((r.get("peak_mem_gb", 0) for r in train), default=None),
             # wall time of the optimizer steps (without evaluation / checkpoints); absent in runs before 2026-12-03
-            "train_steps_s": sum(r["step_s"] for r in train) if train and all("step_s" in r for r in train) else None}
+            "train_steps_s": sum(r["step_s"] for r in train) if train and all("step_s" in r for r in train) else None,
+            # seconds per stage of the steps timed by stage (stage_timing_every; the first one is left out: compile
+            # and allocator warm-up), their median per stage; absent before 2026-12-06
+            "stage_s_median": _median_stages([r["stage_s"] for r in train if "stage_s" in r][1:])}
+
+
+def _median_stages(timed: list[dict]) -> dict | None:
+    if not timed:
+        return None
+    return {k: sorted(t[k] for t in timed)[len(timed) // 2] for k in timed[0]}
 
 
 def _curves(path: Path, sources: dict[str, Path] | None = None) -> None:
