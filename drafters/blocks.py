@@ -195,6 +195,23 @@ class InjectionStack(nn.Module):
         """Per-layer (k, v) (B, Hkv, C, D) of context ctx (B, C, H)."""
         return [layer.context_kv(ctx, cos, sin) for layer in self.layers]
 
+    @torch.no_grad()
+    def init_from_host(self, host_layers) -> list[str]:
+        """Copy the weights of the host's last len(self.layers) decoder layers (HF Llama / Qwen2 / Qwen3 names) into
+        these layers, in order; returns what had no counterpart here and was left out (Qwen2's attention biases).
+        A training-time initialisation (TrainConfig.init_layers_from_host), not an architecture change: the
+        checkpoint is the same layers' weights either way."""
+        dropped = []
+        for mine, theirs in zip(self.layers, list(host_layers)[-len(self.layers):]):
+            own = dict(mine.named_parameters())
+            for name, weight in theirs.named_parameters():
+                key = name.removeprefix("self_attn.")
+                if key not in own or own[key].shape != weight.shape:
+                    dropped.append(name)
+                    continue
+                own[key].copy_(weight.detach().to(own[key].dtype))
+        return sorted(set(dropped))
+
     def write_context(self, cache: KVCache, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       positions: torch.Tensor) -> None:
         """Project ctx (B, T, H) into every layer's context K/V and store them at `positions` (B, T)."""

@@ -139,6 +139,31 @@ def test_stage_timing_splits_the_steps_it_is_asked_for(tmp_path, monkeypatch):
         synthetic_config(tmp_path / "bad", stage_timing_every=-1)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_init_layers_from_host_copies_the_last_layers(kind, caplog):
+    """init_layers_from_host: a 2-layer DSpark backbone starts as the host's last two layers, every weight of the
+    same name and shape copied (Qwen2's q/k/v biases have none here: left out and logged); EAGLE-3, whose layer
+    reads 2H-wide inputs, is refused by name."""
+    from conftest import tiny_model
+    from dspark.engine.host import Host
+
+    host = Host(tiny_model(kind, layers=4), name=kind)
+    drafter = build_drafter("dspark", host, num_layers=2, gamma=4, rank=16, max_anchors=8, num_feature_layers=2)
+    with caplog.at_level("INFO", logger=train_module.logger.name):
+        train_module.init_layers_from_host(drafter, host)
+    for mine, theirs in zip(drafter.backbone.layers, host.layers[2:]):
+        own = dict(mine.named_parameters())
+        for name, weight in theirs.named_parameters():
+            if name.endswith("_proj.bias"):
+                assert kind == "qwen2" and name.removeprefix("self_attn.") not in own
+                continue
+            assert torch.equal(own[name.removeprefix("self_attn.")], weight), name
+        assert len(own) == sum(not n.endswith("bias") for n, _ in theirs.named_parameters())  # nothing else
+    assert ("left out" in caplog.text) == (kind == "qwen2")
+    with pytest.raises(ValueError, match="Eagle3.*no decoder layers of the host's shape"):
+        train_module.init_layers_from_host(build_drafter("eagle3", host, ttt_length=2), host)
+
+
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
     steady = synthetic_config(tmp_path / "steady", grad_accum=2)
     train(steady)

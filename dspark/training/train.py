@@ -112,6 +112,10 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "keep the newest N checkpoints"})
     eval_every: int = field(default=500, metadata={"help": "evaluate on held-out data every N steps (0 = off)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per evaluation"})
+    init_layers_from_host: bool = field(default=False, metadata={
+        "help": "start the drafter's decoder layers (DSpark / DFlash backbone, MTP's layer) from the host's last "
+                "layers' weights instead of random ones (a fresh run only; weights without a counterpart, as "
+                "Qwen2's attention biases, are left out and logged)"})
     stage_timing_every: int = field(default=0, metadata={
         "help": "every N-th step also logs `stage_s`: seconds in the host forward, the drafter's forward and loss, "
                 "backward and the optimizer, each stage closed by a device synchronize on those steps only (0 = off)"})
@@ -569,6 +573,20 @@ class Run:
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
 
 
+def init_layers_from_host(drafter, host: Host) -> None:
+    """TrainConfig.init_layers_from_host: the drafter's InjectionStack (DSpark / DFlash backbone, MTP's block) from
+    the host's last layers. A drafter without one (EAGLE-3's layer reads 2H-wide inputs) is refused, not skipped."""
+    from drafters.blocks import InjectionStack
+
+    stacks = [m for m in drafter.modules() if isinstance(m, InjectionStack)]
+    if len(stacks) != 1:
+        raise ValueError(f"init_layers_from_host: the {type(drafter).__name__} drafter has no decoder layers of the "
+                         "host's shape to start from the host's (DSpark, DFlash and MTP have)")
+    dropped = stacks[0].init_from_host(host.layers)
+    logger.info("drafter layers initialised from the host's last %d layers%s", len(stacks[0].layers),
+                f"; left out (no counterpart): {', '.join(dropped)}" if dropped else "")
+
+
 def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, accelerator: Accelerator) -> Run:
     """Host, drafter (fresh, or the checkpoint's weights when resuming), data order, optimizer and schedule."""
     from drafters import build_drafter, load_drafter
@@ -584,6 +602,8 @@ def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, acceler
         with warnings.catch_warnings():  # "random weights" is the point of a fresh training run
             warnings.filterwarnings("ignore", message=".*has no checkpoint.*")
             drafter = build_drafter(cfg.drafter, host, **cfg.drafter_args)
+        if cfg.init_layers_from_host:
+            init_layers_from_host(drafter, host)
     else:
         drafter = load_drafter(resume_from, host)
     drafter.to(device)
