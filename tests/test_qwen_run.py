@@ -71,7 +71,9 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     report = json.loads((module.OUT / "results.json").read_text())
     assert report["speed"]["eagle3"] == {"1": {"tokens_per_s": 90.0, "ratio": 0.9}}  # the earlier session's
     assert report["speed"]["dspark"]["1"]["ratio"] == pytest.approx(1.5)
-    assert "| dspark | 1 | 150.0 | 100.0 | 1.50 | 2.50 |" in (module.OUT / "results.md").read_text()
+    markdown = (module.OUT / "results.md").read_text()
+    assert "| dspark | 1 | 150.0 | 100.0 | 1.50 | 2.50 |" in markdown
+    assert "| dspark | 4.00 | 6.00 | 0.500 | — | — | — |" in markdown  # (3.0 - 1) / 4 ms on sharegpt/T0
     assert report["tau"] == {"eagle3/sharegpt/T0": 2.0, "dspark/sharegpt/T0": 3.0, "ngram/humaneval/T1": 1.5}
     assert report["draft_ms"] == {"dspark": {"1": pytest.approx(4.0), "16": pytest.approx(6.0)}}
     assert report["accepted_per_draft_ms"] == {"dspark/sharegpt/T0": pytest.approx((3.0 - 1) / 4.0)}

@@ -390,6 +390,14 @@ def _markdown(report: dict) -> str:
     for key, curve in sorted(report["per_position"].items()):
         if curve:
             lines.append(f"- {key}: " + " ".join("—" if c is None or c != c else f"{c:.2f}" for c in curve))
+    if report["draft_ms"]:
+        lines += ["", "Draft cost (`dspark profile`, graph steps: the drafter's propose plus observe a round, ms) and "
+                  "(τ - 1) per ms of it at one row:", "", "| drafter | 1 row | 16 rows | " + " | ".join(columns) + " |",
+                  "| --- | --- | --- |" + " --- |" * len(columns)]
+        for drafter, ms in sorted(report["draft_ms"].items()):
+            per = [report["accepted_per_draft_ms"].get(f"{drafter}/{c}") for c in columns]
+            lines.append(f"| {drafter} | {ms.get('1', float('nan')):.2f} | {ms.get('16', float('nan')):.2f} | "
+                         + " | ".join("—" if v is None else f"{v:.3f}" for v in per) + " |")
     if report["speed"]:
         lines += ["", "Wall-clock (`dspark bench`, verify-all, greedy; ratio over plain decoding in the same run):", "",
                   "| drafter | C | tokens/s | plain tokens/s | ratio | tau |", "| --- | --- | --- | --- | --- | --- |"]
