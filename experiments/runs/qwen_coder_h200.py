@@ -392,7 +392,8 @@ def _markdown(report: dict) -> str:
             lines.append(f"- {key}: " + " ".join("—" if c is None or c != c else f"{c:.2f}" for c in curve))
     if report["draft_ms"]:
         lines += ["", "Draft cost (`dspark profile`, graph steps: the drafter's propose plus observe a round, ms) and "
-                  "(τ - 1) per ms of it at one row:", "", "| drafter | 1 row | 16 rows | " + " | ".join(columns) + " |",
+                  "(τ - 1) per ms of it at one row:", "",
+                  "| drafter | 1 row | 16 rows | " + " | ".join(columns) + " |",
                   "| --- | --- | --- |" + " --- |" * len(columns)]
         for drafter, ms in sorted(report["draft_ms"].items()):
             per = [report["accepted_per_draft_ms"].get(f"{drafter}/{c}") for c in columns]
