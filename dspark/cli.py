@@ -175,6 +175,12 @@ class BenchOptions:
     concurrency: list[int] = field(default_factory=lambda: [1, 8], metadata={
         "help": "requests kept in flight (closed loop: a queued request enters as soon as one finishes)"})
     num_prompts: int = field(default=16, metadata={"help": "requests per run (the prompt set, repeated to fill)"})
+    data: str = field(default="mtbench", metadata={
+        "help": "the prompts: mtbench (six MT-Bench first turns, built in) or a `dspark eval --data` source "
+                "(sharegpt, humaneval, champ, a .jsonl file or a datasets dir; its held-out split, all of an "
+                "evaluation set), its first --num-prompts that fit --max-prompt-length"})
+    max_prompt_length: int = field(default=512, metadata={"help": "with --data other than mtbench: skip prompts "
+                                                                  "longer than this many tokens"})
     out_dir: str = field(default="bench", metadata={"help": "directory for bench.json"})
 
 
@@ -560,13 +566,20 @@ def cmd_export(argv) -> int:
     return 0
 
 
-def bench_prompts(host, n: int) -> list[list[int]]:
-    """n prompts: the built-in six (chat-templated) for a host with a tokenizer, else seeded random token ids."""
+def bench_prompts(host, n: int, source: EvalOptions | None = None) -> list[list[int]]:
+    """n prompts: without a source the built-in six MT-Bench first turns (chat-templated) for a host with a
+    tokenizer, else seeded random token ids, repeated to n; with one (split resolved), the prompts `dspark eval`
+    would decode (eval_prompts, source.limit of them)."""
     import torch
 
     from dspark.api import encode_prompts
     from dspark.engine.workload import PROMPTS
 
+    if source is not None:
+        if host.tokenizer is None:
+            raise ConfigError(f"--data {source.data} needs a host with a tokenizer ({host.name} has none): use "
+                              "--data mtbench")
+        return eval_prompts(host, source)
     if host.tokenizer is not None:
         ids = encode_prompts(host, PROMPTS, chat=True)
     else:
@@ -592,11 +605,15 @@ def cmd_bench(argv) -> int:
     verifier = resolve_verifier(host, d.verifier, draft_length=d.draft_length, drafter_path=d.drafter_path,
                                 threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
                                 draft_gate=d.draft_gate)
-    rows = bench(host, bench_prompts(host, b.num_prompts), methods, b.concurrency, verifier=verifier,
-                 draft_length=d.draft_length, max_new_tokens=d.max_new_tokens, seed=d.seed,
+    source = None if b.data == "mtbench" else resolve_split(d, EvalOptions(
+        data=b.data, limit=b.num_prompts, max_prompt_length=b.max_prompt_length))  # the split `dspark eval` uses
+    prompts = bench_prompts(host, b.num_prompts, source)
+    rows = bench(host, prompts, methods, b.concurrency, verifier=verifier, draft_length=d.draft_length,
+                 max_new_tokens=d.max_new_tokens, seed=d.seed,
                  sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k))
     out = Path(b.out_dir) / "bench.json"
-    write_json_atomic(out, {"host": h.host, "device": str(host.device), "dtype": str(host.dtype), "rows": rows})
+    write_json_atomic(out, {"host": h.host, "device": str(host.device), "dtype": str(host.dtype), "data": b.data,
+                            "rows": rows})
     for r in rows:
         print(f"{r['method']:>10}  C={r['concurrency']:<4} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau'] or 0:.2f}  "
               f"in flight {r['mean_in_flight']:.1f}")

