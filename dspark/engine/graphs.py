@@ -155,11 +155,8 @@ class GraphRound:
         # plain decoding (K = 0) never proposes: nothing to capture there
         self.whole = K > 0 and drafter.capturable and getattr(verifier, "capturable", False)
         start = self._clock()
-        # why a side stream: kernels' lazy init stays out of the captured streams; why graph_shapes (a captured
-        # propose only): the warm-ups run the shapes the capture runs (module docstring, Fixed shapes)
-        with self._side_stream(), (graph_shapes() if self.whole else contextlib.nullcontext()):
-            for _ in range(warmup):
-                propose(slots, drafter, verifier, K)
+        # fixed shapes for a captured propose only: otherwise it runs eagerly every round, as it does here
+        self._warm_up(lambda: propose(slots, drafter, verifier, K), fixed=self.whole)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # verify and accept (module docstring)
         if self.whole:  # a capturable drafter has no Python branching on values: its `width` is the same every round
             own = torch.cuda.graph_pool_handle() if capture else None
@@ -189,7 +186,7 @@ class GraphRound:
         """(replay, outputs): fn captured as a CUDA graph in `pool` (default: the verify and accept pool), or
         (static) fn itself, re-run on replay with its fresh outputs copied into the first run's. Either way fn runs
         inside graph_shapes, as a replay replays what the capture ran."""
-        fn = _fixed_shapes(fn)
+        fn = graph_shapes()(fn)  # a contextmanager is also a decorator: every call runs in a fresh block
         if not self.capture:
             out = fn()
             return (lambda: _copy_into(out, fn())), out
@@ -197,6 +194,14 @@ class GraphRound:
         with torch.cuda.graph(graph, pool=self.pool if pool is None else pool):
             out = fn()
         return graph, out
+
+    def _warm_up(self, fn, *, fixed: bool = True) -> None:
+        """fn run `warmup` times before its capture: on a side stream (kernels' lazy initialisation stays out of
+        the captured streams) and, `fixed`, inside graph_shapes (the shapes the capture will run: module docstring,
+        Fixed shapes)."""
+        with self._side_stream(), (graph_shapes() if fixed else contextlib.nullcontext()):
+            for _ in range(self.warmup):
+                fn()
 
     def _side_stream(self):
         return _side_stream() if self.capture else contextlib.nullcontext()
@@ -265,10 +270,8 @@ class GraphRound:
         active = slots.active.clone()
         slots.active.zero_()
         try:
-            with self._side_stream(), graph_shapes():
-                for _ in range(self.warmup):
-                    accept(slots, self.drafter, self.draft, verify(slots, self.host, self.draft, L, taps, None),
-                           defer=defer)
+            self._warm_up(lambda: accept(slots, self.drafter, self.draft,
+                                         verify(slots, self.host, self.draft, L, taps, None), defer=defer))
             g_verify, verified = self._record(lambda: verify(slots, self.host, self.draft, L, taps, None))
             g_accept, out = self._record(lambda: accept(slots, self.drafter, self.draft, verified, defer=defer))
         finally:
@@ -291,9 +294,7 @@ class GraphRound:
                 flush_observe(slots, self.drafter, self.K, chunks)
                 return slots.backlog_n
             try:
-                with self._side_stream(), graph_shapes():
-                    for _ in range(self.warmup):
-                        flush()
+                self._warm_up(flush)
                 self.g_flush[chunks], _ = self._record(flush)
             finally:
                 slots.active.copy_(active)
@@ -311,14 +312,6 @@ def _replay(graph) -> None:
         graph.replay()
     else:
         graph()
-
-
-def _fixed_shapes(fn):
-    """fn run inside graph_shapes (protocol.fixed_shapes holds): what GraphRound records, and re-runs when static."""
-    def run():
-        with graph_shapes():
-            return fn()
-    return run
 
 
 def _copy_into(buffers, fresh) -> None:
