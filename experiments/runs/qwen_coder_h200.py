@@ -208,16 +208,24 @@ def regenerate() -> None:
 SMALL_FLAGS = tuple(os.environ.get("SMALL_FLAGS", "").split())
 
 
-def _small_lm() -> str | None:
-    """The small LM's name or path when it can load in this session, else None (said)."""
+def _small_lm() -> tuple[str, ...] | None:
+    """The small LM's `dspark` drafter flags when it can load in this session, else None (said)."""
+    flags = ("--drafter", "small-lm", "--drafter-path", SMALL, *SMALL_FLAGS)
     if DRY_RUN:
-        return SMALL
+        return flags
     from dspark.engine.models import packaged_cache
 
     if packaged_cache(SMALL).is_dir():
-        return SMALL
+        return flags
     say(f"no small-LM baseline: {SMALL} is not converted (stage its GGUF, then run prepare)")
     return None
+
+
+def _trained(name: str) -> tuple[str, ...]:
+    """A drafter trained in RUN/NAME, as `dspark` drafter flags."""
+    from dspark.api import checkpoint_dir
+
+    return ("--drafter-path", str(checkpoint_dir(RUN / name)))
 
 
 def baselines() -> None:
@@ -230,10 +238,9 @@ def baselines() -> None:
             if "ngram" in BASELINES:
                 base._eval("ngram", data, "--drafter", "ngram", temperature=temperature)
             if small:
-                base._eval("small-lm", data, "--drafter", "small-lm", "--drafter-path", small, *SMALL_FLAGS,
-                           temperature=temperature)
+                base._eval("small-lm", data, *small, temperature=temperature)
     if small:
-        _draft_cost("small-lm", "--drafter", "small-lm", "--drafter-path", small, *SMALL_FLAGS)
+        _draft_cost("small-lm", *small)
     if "ngram" in BASELINES:
         _draft_cost("ngram", "--drafter", "ngram")
 
@@ -249,16 +256,14 @@ def _draft_cost(name: str, *drafter_flags: str) -> None:
 
 def evaluate() -> None:
     """Each finished drafter of DRAFTERS on both sets at T = 0 and 1 (an unfinished one is said and left out)."""
-    from dspark.api import checkpoint_dir
-
     for name in DRAFTERS:
         if not base._finished(name):
             say(f"{name}: training not finished ({base.progress(name)}), not evaluated")
             continue
         for data in SETS:
             for temperature in TEMPERATURES:
-                base._eval(name, data, "--drafter-path", str(checkpoint_dir(RUN / name)), temperature=temperature)
-        _draft_cost(name, "--drafter-path", str(checkpoint_dir(RUN / name)))
+                base._eval(name, data, *_trained(name), temperature=temperature)
+        _draft_cost(name, *_trained(name))
 
 
 def speed() -> None:
@@ -268,14 +273,12 @@ def speed() -> None:
     each of SPEED's concurrencies, verify-all at gamma, greedy, the engine's CUDA defaults (compiled host layers,
     graph rounds). Each finished drafter of DRAFTERS, then the baselines that load in this session (n-gram, the
     small LM); MT-Bench first for all of them."""
-    from dspark.api import checkpoint_dir
-
-    flags = {name: ("--drafter-path", str(checkpoint_dir(RUN / name))) for name in DRAFTERS if base._finished(name)}
+    flags = {name: _trained(name) for name in DRAFTERS if base._finished(name)}
     if "ngram" in BASELINES:
         flags["ngram"] = ("--drafter", "ngram")
     small = _small_lm() if "small-lm" in BASELINES else None
     if small:
-        flags["small-lm"] = ("--drafter", "small-lm", "--drafter-path", small, *SMALL_FLAGS)
+        flags["small-lm"] = small
     for data in SPEED["data"]:
         for name, extra in flags.items():
             out = RUN / "speed" / (name if data == "mtbench" else f"{name}@{data}")  # results.json's speed key
