@@ -86,6 +86,23 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     assert (module.OUT / "training_curves.png").exists()  # from the recorded metrics_eagle3.jsonl
 
 
+def test_render_pairs_each_trained_drafter_once_and_adds_no_session(tmp_path, monkeypatch):
+    recorded = tmp_path / "results.json"
+    evals = {"dspark_sharegpt_T0": _summary(3.0, [9, 9, 6], [3, 3, 2]),
+             "dflash_sharegpt_T0": _summary(2.0, [6, 6, 4], [3, 3, 2]),
+             "ngram_sharegpt_T0": _summary(1.5, [3, 6, 3], [2, 3, 2])}
+    recorded.write_text(json.dumps({"eval": evals, "train": {"dspark": {"steps": 2}}, "sessions": [{"date": "one"}],
+                                    "settings": {"steps": 2}, "draft_ms": {}, "speed": {}}))
+    module = _driver(tmp_path, monkeypatch, RECORDED=str(recorded))
+    module.render()
+    report = json.loads(recorded.read_text())
+    assert sorted(report["paired"]) == ["sharegpt_T0: dflash / ngram", "sharegpt_T0: dspark / dflash",
+                                        "sharegpt_T0: dspark / ngram"]  # not dflash / dspark as well
+    assert report["paired"]["sharegpt_T0: dflash / ngram"]["ratio"] == pytest.approx((16 / 8) / (12 / 7))  # sum of tau over rounds
+    assert report["sessions"] == [{"date": "one"}] and report["settings"] == {"steps": 2}
+    assert "| sharegpt_T0: dflash / ngram | 1.167 |" in (tmp_path / "results.md").read_text()
+
+
 def test_later_phases_wait_for_a_background_driver(tmp_path, monkeypatch):
     module = _driver(tmp_path, monkeypatch, WAIT_S="60")
     monkeypatch.setattr(module.base, "POLL_S", 0.2)

@@ -4,7 +4,8 @@ The phases are smollm2_h200.py's (imported, rebound to this host through its `co
 needs: `prepare` converts the staged GGUFs, `regenerate` first picks the prompts (ShareGPT train split: 2048 coding
 and 2048 general first user turns), `baselines` runs plain / n-gram / small-LM, `speed` times each finished drafter
 and baseline against plain decoding (`dspark bench`, concurrency 1 and 8), `collect` merges earlier sessions'
-results (benchmarks/h200/qwen_coder_1p5b/results.json) so that three sessions make one table. Every phase skips or
+results (benchmarks/h200/qwen_coder_1p5b/results.json) so that three sessions make one table, and `render` (CPU,
+no session) writes that recorded results.json / results.md again from what they hold. Every phase skips or
 resumes what an earlier, interrupted call finished; run a phase again after a kill. A `train` that has not
 finished ends the call's phases (run `train` alone, or in `background`, before phases that do not need it).
 
@@ -50,8 +51,9 @@ On this CPU machine, before the session (no device time):
      Chunk size: a call carries at most 64 MiB with the tracked tree (`git ls-files -z | xargs -0 du -cb | tail -1`:
      ~23 MB), so up to 64 - tree - 1 MiB; chunk 1 (the gguf wheel, 128 KB) travels with chunk 2 in one call.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
-  `speed`) and n-gram's `speed`. DFlash's first training was lost with the machine (below).
-Next: a session per drafter, DFlash then EAGLE-3 (~25 min each): the chunks' `bash .device-stage/K/unstage.sh` calls
+  `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
+  time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded).
+Next: EAGLE-3 (~25 min), then DSpark again for its `speed` (~20 min), a session each: the chunks' `bash .device-stage/K/unstage.sh` calls
   (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
   install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
   TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
@@ -319,7 +321,7 @@ def draft_ms(previous: dict) -> dict:
 
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None, speed: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
-    acceptance at draft positions 1..gamma), `tokens_per_s`, DSpark's paired ratios, `draft_ms` (each drafter's own
+    acceptance at draft positions 1..gamma), `tokens_per_s`, each trained drafter's paired ratios over the others, `draft_ms` (each drafter's own
     work per round, propose plus observe, at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one
     request's draft step: tau per unit of draft cost), `speed` (wall-clock against plain decoding, `speeds`), and
     what is still missing."""
@@ -336,7 +338,7 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
         "tau_ci95": {k: m.get("tau_ci95") for k, m in table.items()},
         "per_position": {k: m.get("conditional_acceptance") for k, m in table.items()},
         "tokens_per_s": {k: m.get("tokens_per_s") for k, m in table.items()},
-        "paired": base._paired(evals, against=("dflash", "eagle3", "ngram", "small-lm")),
+        "paired": base._paired(evals, against=TAU_DRAFTERS[1:], drafters=TAU_DRAFTERS[:3]),
         "draft_ms": drafts,
         "accepted_per_draft_ms": {k: (m["tau"] - 1) / drafts[k.split("/")[0]]["1"] for k, m in table.items()
                                   if drafts.get(k.split("/")[0], {}).get("1")},
@@ -383,6 +385,20 @@ def collect() -> None:
             if path.exists():
                 tar.add(path, arcname=str(path.relative_to(RUN)))
     say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}; missing: {report['missing'] or 'none'}")
+
+
+def render() -> None:
+    """RECORDED's results.json and results.md written again, in place, from the evaluations, trainings, sessions,
+    draft costs and speeds it holds (no session added, nothing read from RUN): for a change of how results are
+    derived or shown, e.g. which pairs are compared. Its settings stay the recorded ones."""
+    path = Path(RECORDED)
+    previous = json.loads(path.read_text())
+    report = results(previous["eval"], previous["train"], previous["sessions"], previous.get("draft_ms", {}),
+                     previous.get("speed", {}))
+    report["settings"] = previous["settings"]
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (path.parent / "results.md").write_text(_markdown(report) + "\n" + base._table(previous["eval"], report["paired"]))
+    say(f"rendered {path} and results.md again: {len(report['paired'])} paired comparisons")
 
 
 def _markdown(report: dict) -> str:
@@ -458,7 +474,7 @@ def wait_for_background() -> bool:
 
 
 PHASES = {"prepare": prepare, "regenerate": regenerate, "train": base.train, "baselines": baselines, "speed": speed,
-          "evaluate": evaluate, "collect": collect, "status": status}
+          "evaluate": evaluate, "collect": collect, "render": render, "status": status}
 
 
 def main(argv: list[str]) -> None:

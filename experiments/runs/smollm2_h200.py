@@ -514,20 +514,25 @@ def collect() -> None:
     say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}")
 
 
-def _paired(evals: dict, against: tuple[str, ...] = ("eagle3", "dflash")) -> dict:
-    """DSpark's tau over each baseline's on the same prompts, with a paired bootstrap interval (dspark compare)."""
+def _paired(evals: dict, against: tuple[str, ...] = ("eagle3", "dflash"),
+            drafters: tuple[str, ...] = ("dspark",)) -> dict:
+    """Each of `drafters`' tau over each of `against`'s on the same prompts, with a paired bootstrap interval (dspark
+    compare); a pair of two `drafters` is taken once, in their order (dspark / dflash, not dflash / dspark too)."""
     from dspark.metrics import paired_tau_ratio
 
     paired = {}
     for tag, m in evals.items():
         name, _, rest = tag.partition("_")
-        if name == "dspark" and "per_request_tau_sum" in m:
-            for other in against:
-                if "per_request_tau_sum" in evals.get(f"{other}_{rest}", {}):
-                    try:
-                        paired[f"{rest}: dspark / {other}"] = paired_tau_ratio(m, evals[f"{other}_{rest}"])
-                    except ValueError as error:  # e.g. another prompt count: say so, keep collecting the rest
-                        say(f"no paired comparison {rest} dspark / {other}: {error}")
+        if name not in drafters or "per_request_tau_sum" not in m:
+            continue
+        for other in against:
+            if other == name or (other in drafters and drafters.index(other) < drafters.index(name)):
+                continue
+            if "per_request_tau_sum" in evals.get(f"{other}_{rest}", {}):
+                try:
+                    paired[f"{rest}: {name} / {other}"] = paired_tau_ratio(m, evals[f"{other}_{rest}"])
+                except ValueError as error:  # e.g. another prompt count: say so, keep collecting the rest
+                    say(f"no paired comparison {rest} {name} / {other}: {error}")
     return paired
 
 
