@@ -319,6 +319,12 @@ def draft_ms(previous: dict) -> dict:
     return out
 
 
+# caveats of recorded numbers, written into results.json ("notes") and results.md, keyed as the numbers are
+NOTES = {"draft_ms/ngram": "profiled in session 1's `baselines`, beside DSpark's training on the same card: not "
+                           "n-gram's draft cost (on SmolLM2 its compiled propose took 0.06 ms), so neither is its "
+                           "(tau - 1) per draft-ms"}
+
+
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None, speed: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
     acceptance at draft positions 1..gamma), `tokens_per_s`, each trained drafter's paired ratios over the others, `draft_ms` (each drafter's own
@@ -348,6 +354,7 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
                                                                                          MAX_ANCHORS),
                      "common": base.common_yaml(), "dry_run": DRY_RUN},
         "speed": speed or {}, "train": train, "sessions": sessions, "eval": evals,
+        "notes": {key: note for key, note in NOTES.items() if key.split("/")[1] in drafts},
     }
 
 
@@ -436,6 +443,7 @@ def _markdown(report: dict) -> str:
                 lines.append(f"| {drafter} | {c} | " + " | ".join(cells) + " |")
     if report["missing"]:
         lines += ["", "Not measured yet: " + ", ".join(report["missing"])]
+    lines += [""] + [f"Note ({key}): {note}" for key, note in report.get("notes", {}).items()]
     return "\n".join(lines) + "\n"
 
 
