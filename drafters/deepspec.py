@@ -277,6 +277,9 @@ def export_deepspec(drafter, host, directory: str | os.PathLike, *, mask_token_i
     default `default_mask_token_id(host)`)."""
     if drafter.kind not in SUFFIX:
         raise ValueError(f"a '{drafter.kind}' drafter has no DeepSpec layout; exportable kinds: {sorted(SUFFIX)}")
+    if getattr(drafter.config, "draft_vocab", 0):
+        raise ValueError(f"an EAGLE-3 drafter with a draft vocabulary (draft_vocab={drafter.config.draft_vocab}) has "
+                         "no DeepSpec layout: the reference's EAGLE-3 drafts over the host's whole vocabulary")
     own = drafter.config.mask_token_id if drafter.kind == "dspark" else None
     if own is not None:  # the drafter embeds the mask as the host's row of its own mask_token_id
         if mask_token_id not in (None, own):

@@ -25,8 +25,21 @@ why explicit attention scores there: the step-0 part is a (T, T) causal score ma
 earlier step; merging them into one softmax needs the scores, which SDPA does not return (memory O(S·T²), as in
 EAGLE-3's own implementation).
 
-Checkpoints (`save_pretrained` / `from_pretrained`, drafters/checkpoint.py) hold fc, the layer and the final norm
-with the host fingerprint; the host's embedding, LM head and rotary tables are borrowed (`SharedHost`), never saved.
+Draft vocabulary (`draft_vocab` > 0, EAGLE-3's reduced vocabulary): the drafter predicts only the `draft_vocab`
+host tokens most frequent as training targets, through a trainable head of its own (`draft_head`, started from
+those rows of the host's LM head) and the map `d2t` from draft index to host token id, both saved with the
+checkpoint; `dspark train` fills them from the training data's target tokens (`set_draft_vocab`). Training: soft
+cross-entropy against the host distribution renormalised over the draft vocabulary (as EAGLE-3's training code);
+the acceptance metric c* = sum_d min(q_d, p_d) keeps the host's full probabilities, so it is the acceptance the
+drafter gets. Decoding: a drafted token is d2t[index]; a sampled proposal's q is the draft distribution placed on
+the host vocabulary (zero elsewhere), the exact distribution the token was drawn from, so verification stays
+lossless. why: with a large host vocabulary (Qwen2.5's 151,936) the full LM head dominates each of the K sequential
+draft steps and each unrolled training step; the published EAGLE-3 drafts over 32k tokens for that reason.
+0 (the default) keeps the host's full vocabulary through its frozen LM head.
+
+Checkpoints (`save_pretrained` / `from_pretrained`, drafters/checkpoint.py) hold fc, the layer, the final norm and,
+with a draft vocabulary, draft_head and d2t, with the host fingerprint; the host's embedding, LM head and rotary
+tables are borrowed (`SharedHost`), never saved.
 """
 from __future__ import annotations
 
@@ -69,11 +82,15 @@ class Eagle3Config(HostFields):
     feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(NL)
     ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to gamma)
     step_decay: float = 0.8  # weight of unrolled step j is step_decay**j
+    draft_vocab: int = 0  # tokens the drafter can propose (EAGLE-3's reduced vocabulary); 0 = the host's whole one
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be a whole number >= 0 (0 = the host's vocabulary), got "
+                             f"{self.draft_vocab!r}")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
 
@@ -143,6 +160,16 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         self.fc = nn.Linear(len(config.feature_layers) * H, H, bias=False)  # fuse m host layers (F -> H)
         self.layer = Eagle3Layer(shape)
         self.norm = RMSNorm(H, shape.rms_norm_eps)
+        self.vocab_size = host.vocab_size
+        n = config.draft_vocab
+        if n and n >= host.vocab_size:
+            raise ValueError(f"draft_vocab={n} must be smaller than the host's vocabulary ({host.vocab_size}); 0 "
+                             "drafts over the whole of it")
+        if n:
+            # placeholders until set_draft_vocab (dspark train) or a checkpoint's own values fill them
+            self.draft_head = nn.Linear(H, n, bias=False)
+            self.register_buffer("d2t", torch.arange(n))
+            self.set_draft_vocab(self.d2t)
         # float32 master weights whatever the host's dtype (train under autocast; cast with .to() for inference)
         self.to(device=host.device)
         self.cache: KVCache | None = None
@@ -152,8 +179,34 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """The draft vocabulary: host token ids (draft_vocab,), distinct; draft_head starts from their rows of the
+        host's LM head."""
+        n = self.config.draft_vocab
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().to(self.d2t.device)
+        if ids.numel() != n or ids.unique().numel() != n or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"a draft vocabulary is {n} distinct host token ids in [0, {self.vocab_size}), got "
+                             f"{ids.numel()} ids ({ids.unique().numel()} distinct)")
+        self.d2t.copy_(ids)
+        rows = self.shared.lm_head.weight.index_select(0, ids.to(self.shared.lm_head.weight.device))
+        self.draft_head.weight.copy_(rows.to(self.draft_head.weight))
+
+    def draft_vocab_from_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The draft_vocab most counted host token ids (ties: the lower id), from counts (V,) of training
+        targets; what `dspark train` passes to set_draft_vocab."""
+        counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+        if counts.numel() != self.vocab_size:
+            raise ValueError(f"token counts cover {counts.numel()} ids, the host's vocabulary {self.vocab_size}")
+        # why the tie-break term: topk's order among equal counts is not specified; lower ids win, reproducibly
+        score = counts - torch.arange(counts.numel(), dtype=torch.float64) / (2 * counts.numel())
+        return score.topk(self.config.draft_vocab).indices.sort().values
+
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Layer output (..., H) -> float32 logits (..., V): own final norm, the host's frozen LM head."""
+        """Layer output (..., H) -> float32 logits (..., V), or (..., draft_vocab) with a draft vocabulary: own
+        final norm, then the host's frozen LM head or the drafter's draft_head."""
+        if self.config.draft_vocab:
+            return self.draft_head(self.norm(g).to(self.draft_head.weight.dtype)).float()
         return self.shared.logits(self.norm(g))
 
     # ---- decoding -------------------------------------------------------------------------------------------
@@ -205,12 +258,16 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
             if k > 0:  # position anchor-1+k: input x_k, and the previous step's output as its g
                 position = position + 1
                 g = self._cached_step(g.unsqueeze(1), tokens[-1].unsqueeze(1), position.unsqueeze(1))[:, 0]
-            logits = self._logits(g)  # (B, V)
+            logits = self._logits(g)  # (B, V), or (B, draft_vocab)
             if state.sampling.greedy:  # q: the point mass on the token, which Proposal.q = None states
                 token = logits.argmax(-1)
             else:
                 q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
+                if self.config.draft_vocab:  # on the host vocabulary, zero outside the draft one
+                    q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.d2t, q)
                 qs.append(q)
+            if self.config.draft_vocab:
+                token = self.d2t[token]
             tokens.append(token)
         return Proposal(tokens=torch.stack(tokens, 1), q=torch.stack(qs, 1) if qs else None)  # (B, K), (B, K, V)
 
@@ -268,9 +325,17 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
     def _step_terms(self, g: torch.Tensor, host_logits: torch.Tensor, start: int,
                     stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Soft cross-entropy and c* (B, stop - start) of layer outputs g[:, start:stop] (B, t, H) against
-        host_logits[:, start:stop] (B, t, V), the host's logits of the tokens they predict."""
-        log_q = F.log_softmax(self._logits(g[:, start:stop]), dim=-1)  # (B, t, V)
+        host_logits[:, start:stop] (B, t, V), the host's logits of the tokens they predict. With a draft vocabulary
+        (Vd tokens) the target is the host distribution renormalised over it, and c* = sum_d min(q_d, p_d) with
+        the host's own p_d."""
+        log_q = F.log_softmax(self._logits(g[:, start:stop]), dim=-1)  # (B, t, V) or (B, t, Vd)
         p = F.softmax(host_logits[:, start:stop].float(), dim=-1).detach()  # (B, t, V)
+        if self.config.draft_vocab:
+            p = p.index_select(-1, self.d2t)  # (B, t, Vd): the host's probabilities of the draft tokens
+            ce = -(p * log_q).sum(-1) / p.sum(-1).clamp(min=torch.finfo(p.dtype).tiny)
+            with torch.no_grad():
+                accept = torch.minimum(log_q.exp(), p).sum(-1)
+            return ce, accept
         ce = -(p * log_q).sum(-1)
         with torch.no_grad():
             accept = 1 - 0.5 * (log_q.exp() - p).abs().sum(-1)

@@ -96,7 +96,7 @@ def test_compilations_do_not_grow_with_the_step_shapes():
     assert 4 <= counters["stats"]["unique_graphs"] <= 12  # static: 36
 
 
-@pytest.mark.parametrize("name", ["ngram", "dspark", "dflash", "eagle3", "mtp"])
+@pytest.mark.parametrize("name", ["ngram", "dspark", "dflash", "eagle3", "eagle3-vocab", "mtp"])
 def test_compiled_propose_decodes_the_same_tokens(name):
     """A compiled host compiles the drafter's propose too (greedy): the slot engine then commits, for every request
     of a continuous batch, the tokens of the eager loop over the plain host; sampled runs keep the eager propose."""

@@ -158,18 +158,23 @@ def test_greedy_speculative_equals_plain_greedy_smollm2(smollm2_host, smollm2_pr
 
 # ---- every registered drafter is greedy-exact ------------------------------------------------------------------
 
-def build_any(name: str, host: Host, tmp_path) -> Drafter:
-    """Each registered drafter through build_drafter, small and untrained (small-lm: a saved 1-layer LM)."""
+def build_any(name: str, host: Host, tmp_path, **extra) -> Drafter:
+    """Each registered drafter through build_drafter, small and untrained (small-lm: a saved 1-layer LM), and
+    "eagle3-vocab", EAGLE-3 with a draft vocabulary; `extra` adds to the drafter's settings."""
     torch.manual_seed(0)
     if name == "small-lm":
         tiny_model("llama", layers=1, seed=3).save_pretrained(tmp_path / "small")
         return build_drafter(name, host, checkpoint=tmp_path / "small")
+    if name == "eagle3-vocab":  # EAGLE-3 drafting over half the host's vocabulary (every other token id)
+        drafter = build_any("eagle3", host, tmp_path, draft_vocab=host.vocab_size // 2)
+        drafter.set_draft_vocab(torch.arange(1, host.vocab_size, 2)[: host.vocab_size // 2])
+        return drafter
     overrides = {"dspark": dict(num_layers=1, rank=16, gamma=K, feature_layers=(0, 1, 2)),
                  "dflash": dict(num_layers=1, gamma=K, feature_layers=(0, 1, 2)),
                  "eagle3": dict(ttt_length=K)}.get(name, {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "random weights": intended here
-        return build_drafter(name, host, **overrides)
+        return build_drafter(name, host, **overrides, **extra)
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))

@@ -304,7 +304,10 @@ def test_export_refuses_a_tap_of_the_last_layer_and_needs_a_mask_row(qwen3_host,
         export_deepspec(drafter, qwen3_host, tmp_path / "a", mask_token_id=MASK_ID)
     with pytest.raises(ValueError, match="--mask-token-id"):  # a random host has no tokenizer, so no spare row
         export_deepspec(make("dflash", qwen3_host), qwen3_host, tmp_path / "b")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    reduced = Eagle3Drafter(qwen3_host, Eagle3Config(draft_vocab=qwen3_host.vocab_size // 2))
+    with pytest.raises(ValueError, match="draft vocabulary"):  # the reference's EAGLE-3 has the whole vocabulary
+        export_deepspec(reduced, qwen3_host, tmp_path / "c")
+    assert not any((tmp_path / d).exists() for d in "abc")
 
 
 # ---- the CLI and the engine tables ----------------------------------------------------------------------------------

@@ -255,3 +255,84 @@ def test_lossless_at_temperature_one():
     host = peaked_micro_host()
     torch.manual_seed(1)
     chi_square_first_tokens(host, Eagle3Drafter(host))
+
+
+# ---- draft vocabulary (EAGLE-3's reduced vocabulary) ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_host):
+    """An EAGLE-3 drafting over the 48 host tokens its self-distilled batch targets most, trained 30 steps."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(tiny_host, Eagle3Config(ttt_length=4, draft_vocab=48))
+    batch = self_distilled_batch(tiny_host, drafter, PROMPTS, new_tokens=24)
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=tiny_host.vocab_size)
+    drafter.set_draft_vocab(drafter.draft_vocab_from_counts(counts))
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    outs = []
+    for _ in range(30):
+        outs.append(drafter.training_loss(batch))
+        optimizer.zero_grad()
+        outs[-1].loss.backward()
+        optimizer.step()
+    return drafter, outs
+
+
+def test_draft_vocab_starts_from_the_host_rows_of_its_most_frequent_targets(tiny_host):
+    drafter = Eagle3Drafter(tiny_host, Eagle3Config(ttt_length=2, draft_vocab=3))
+    counts = torch.zeros(tiny_host.vocab_size, dtype=torch.long)
+    counts[[5, 9, 40, 41]] = torch.tensor([7, 3, 3, 1])
+    ids = drafter.draft_vocab_from_counts(counts)
+    assert ids.tolist() == [5, 9, 40]  # the ties at count 3 keep both; at equal counts the lower id wins
+    drafter.set_draft_vocab(ids)
+    assert torch.equal(drafter.d2t, ids) and torch.equal(drafter.draft_head.weight, tiny_host.lm_head.weight[ids])
+    assert {"d2t", "draft_head.weight"} <= set(drafter.state_dict())
+    for bad in ([5, 5, 9], [5, 9], [5, 9, tiny_host.vocab_size]):
+        with pytest.raises(ValueError, match="distinct host token ids"):
+            drafter.set_draft_vocab(torch.tensor(bad))
+    with pytest.raises(ValueError, match="smaller than the host's vocabulary"):
+        Eagle3Drafter(tiny_host, Eagle3Config(draft_vocab=tiny_host.vocab_size))
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        Eagle3Config(draft_vocab=-1)
+
+
+def test_draft_vocab_trains_and_proposes_only_its_tokens_losslessly(tiny_host, small_vocab):
+    drafter, outs = small_vocab
+    assert float(outs[-1].loss.detach()) < float(outs[0].loss.detach()) - 0.5
+    assert bool(((outs[-1].acceptance >= 0) & (outs[-1].acceptance <= 1)).all())
+    recorder = Recorder(drafter)
+    prompts = random_prompts([5, 9, 3], tiny_host.vocab_size, seed=7)
+    out = generate(tiny_host, prompts, drafter=recorder, draft_length=K, max_new_tokens=14)
+    for prompt, tokens in zip(prompts, out.token_ids):
+        assert tokens == greedy(tiny_host.model, prompt, 14)
+    allowed = set(drafter.d2t.tolist())
+    assert recorder.records and all(set(p.tokens.flatten().tolist()) <= allowed for _, p in recorder.records)
+    fresh = Eagle3Drafter(tiny_host, drafter.config)
+    fresh.set_draft_vocab(drafter.d2t)
+    taus = [generate(tiny_host, PROMPTS, drafter=d, draft_length=K, max_new_tokens=24).stats["tau"]
+            for d in (fresh, drafter)]
+    assert taus[1] > taus[0] + 0.5  # it learnt what it trained on, within its vocabulary
+
+
+def test_draft_vocab_sampled_q_lives_on_the_host_vocabulary_and_checkpoints(tiny_host, small_vocab, tmp_path):
+    drafter = small_vocab[0]
+    state = DraftState(seq=torch.tensor([PROMPTS[1] + [0] * 8]), seq_len=torch.tensor([len(PROMPTS[1])]),
+                       seeds=torch.tensor([1]), rounds=torch.tensor([2]), sampling=SamplingConfig(temperature=0.7))
+    a = fresh_proposal(drafter, tiny_host, state, K)
+    assert a.q.shape == (1, K, tiny_host.vocab_size)
+    outside = torch.ones(tiny_host.vocab_size, dtype=torch.bool)
+    outside[drafter.d2t] = False
+    assert float(a.q[..., outside].abs().max()) == 0 and torch.allclose(a.q.sum(-1), torch.ones(1, K))
+    assert bool((a.q.gather(-1, a.tokens.unsqueeze(-1)) > 0).all())  # each token drawn from its own q
+    path = drafter.save_pretrained(tmp_path / "eagle3")
+    loaded = load_drafter(path, tiny_host)
+    assert loaded.config.draft_vocab == 48 and torch.equal(loaded.d2t, drafter.d2t)
+    b = fresh_proposal(loaded, tiny_host, state, K)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.q, b.q)
+
+
+def test_draft_vocab_lossless_at_temperature_one():
+    host = peaked_micro_host()
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(host, Eagle3Config(draft_vocab=5))
+    drafter.set_draft_vocab(torch.tensor([0, 2, 3, 5, 6]))
+    chi_square_first_tokens(host, drafter)

@@ -109,7 +109,8 @@ RUNNERS = pytest.mark.parametrize("graphs", [None, "static"], ids=["eager-rounds
 
 
 @RUNNERS
-@pytest.mark.parametrize("drafter_name", ["none", "dspark-trained"] + sorted(set(DRAFTERS) - {"dspark"}))
+@pytest.mark.parametrize("drafter_name",
+                         ["none", "dspark-trained", "eagle3-vocab"] + sorted(set(DRAFTERS) - {"dspark"}))
 def test_every_drafter_equals_solo_eager(tiny_host, drafter_name, graphs, overlap):
     for sampling in (GREEDY, T1):
         for concurrency, order in ((2, lambda x: x), (3, lambda x: x[::-1])):

@@ -83,7 +83,8 @@ def test_plain_rounds_in_captured_runs_equal_eager(cuda_host, name, tmp_path):
         assert runs[1].engine["overlapped"] == bool(devices)
 
 
-@pytest.mark.parametrize("name", ["none", "dspark", "dflash", "eagle3", "mtp", "ngram", "small-lm"])
+@pytest.mark.parametrize("name",
+                         ["none", "dspark", "dflash", "eagle3", "eagle3-vocab", "mtp", "ngram", "small-lm"])
 def test_compiled_layers_in_captured_rounds_equal_eager(name, tmp_path):
     """torch.compile'd host layers and drafter propose / observe (dspark.engine.compiled, the default on CUDA)
     inside the captured graphs: greedy tokens of the eager loop over the same host with its eager layers (fp32, no

@@ -164,6 +164,25 @@ def test_init_layers_from_host_copies_the_last_layers(kind, caplog):
         train_module.init_layers_from_host(build_drafter("eagle3", host, ttt_length=2), host)
 
 
+def test_eagle3_draft_vocab_is_the_most_frequent_training_targets_and_survives_resume(tmp_path, monkeypatch):
+    cfg = synthetic_config(tmp_path / "run", drafter="eagle3", drafter_args=dict(ttt_length=3, draft_vocab=20),
+                           max_steps=2, save_every=1, eval_every=0)
+    train(cfg)
+    host = train_module.load_host(RANDOM_HOST)
+    rows = train_module.build_rows(cfg, host, split="train", limit=None,
+                                   max_rows=train_module.rows_needed(cfg, 1))  # the rows the run trained on
+    counts = train_module.target_counts(rows, host.vocab_size)
+    first = load_drafter(checkpoints(tmp_path / "run")[-1], host)
+    expected = torch.tensor(sorted(counts.argsort(descending=True, stable=True)[:20].tolist()))
+    assert torch.equal(first.d2t, expected) and int(counts[expected].min()) >= int(counts.sort().values[-21])
+    def recount(*_):
+        raise AssertionError("a resumed run recounted its draft vocabulary")
+
+    monkeypatch.setattr(train_module, "target_counts", recount)
+    train(train_module.replace(cfg, max_steps=4))  # resumed: the checkpoint's vocabulary, not a recount
+    assert torch.equal(load_drafter(checkpoints(tmp_path / "run")[-1], host).d2t, expected)
+
+
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
     steady = synthetic_config(tmp_path / "steady", grad_accum=2)
     train(steady)

@@ -260,6 +260,15 @@ def build_rows(cfg: TrainConfig, host: Host, *, split: Literal["train", "heldout
     return pack(chats, seq_len=cfg.seq_len, max_rows=max_rows)
 
 
+def target_counts(rows: list[TokenizedChat], vocab_size: int) -> torch.Tensor:
+    """How often each token id (V,) is a training target (loss_mask 1) in the packed rows."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        ids = torch.tensor(row.input_ids)[torch.tensor(row.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 @dataclass
 class DataOrder:
     """Deterministic micro-batch order: epoch e shuffles the rows with seed (seed, e); global micro-batch m of an
@@ -628,6 +637,12 @@ def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, acceler
     if resume_from is not None:
         max_rows = json.loads((resume_from / "trainer_state.json").read_text()).get("train_rows")
     train_rows = build_rows(cfg, host, split="train", limit=cfg.data_limit, max_rows=max_rows)
+    if resume_from is None and getattr(getattr(drafter, "config", None), "draft_vocab", 0):
+        # EAGLE-3's reduced vocabulary: the tokens most frequent as targets in the rows this run trains on (a
+        # resumed run has them in its checkpoint). why every process counts: the rows are the same everywhere
+        drafter.set_draft_vocab(drafter.draft_vocab_from_counts(target_counts(train_rows, host.vocab_size)))
+        logger.info("draft vocabulary: the %d most frequent of %d target token ids", drafter.config.draft_vocab,
+                    host.vocab_size)
     order = DataOrder(train_rows, batch_size=cfg.batch_size, world_size=world, rank=rank, seed=cfg.seed)
     if order.per_epoch < cfg.grad_accum:
         raise ValueError(f"{len(train_rows)} packed sequences make {order.per_epoch} micro-batches of "

@@ -126,7 +126,16 @@ if DRY_RUN:  # minutes on a CPU; the 152k vocabulary is the real one, so keep ev
     SPEED = dict(concurrency=(1, 2), num_prompts=2, max_new_tokens=8, data=("mtbench", "humaneval"))
     SEQ = dict(seq_len=128, batch_size=1)
     HOST, SMALL = str(RUN / "hosts" / "host"), str(RUN / "hosts" / "small")
-DRAFTERS = base.drafter_recipes(base.BACKBONE_LAYERS, MAX_ANCHORS)
+# EAGLE-3 drafts over its published reduced vocabulary here (drafters/eagle3.py, draft_vocab: the 32,000 target
+# tokens most frequent in the training rows, the size EAGLE-3's released drafters use for 128k and 152k host
+# vocabularies). why on this host and not SmolLM2's: with Qwen2.5's 151,936 tokens the full LM head is read in each
+# of EAGLE-3's 7 sequential draft steps (7 x 0.47 GB a propose) and each of its 7 unrolled training steps;
+# SmolLM2's 49,152-token head was small. Decided before any EAGLE-3 result on this host (2026-12-06, fifth
+# session); DSpark and DFlash keep the host's frozen head (one read a propose: one block forward gives all K).
+DRAFT_VOCAB = 32000
+RECIPES = base.drafter_recipes(base.BACKBONE_LAYERS, MAX_ANCHORS)
+RECIPES["eagle3"] = [*RECIPES["eagle3"], f"draft_vocab={DRAFT_VOCAB}"]
+DRAFTERS = dict(RECIPES)
 if os.environ.get("ONLY"):
     DRAFTERS = {name: DRAFTERS[name] for name in os.environ["ONLY"].split(",")}
 BASELINES = os.environ.get("BASELINES", "plain,ngram,small-lm").split(",")
@@ -356,8 +365,7 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
                                   if drafts.get(k.split("/")[0], {}).get("1")},
         "missing": [k for k in expected if k not in table],
         "settings": {"host": "qwen2.5-coder-1.5b", "gamma": base.GAMMA, "steps": STEPS, "prompts": PROMPTS,
-                     "regenerate": REGEN, "eval": EVAL, "drafters": base.drafter_recipes(base.BACKBONE_LAYERS,
-                                                                                         MAX_ANCHORS),
+                     "regenerate": REGEN, "eval": EVAL, "drafters": RECIPES,
                      "common": base.common_yaml(), "dry_run": DRY_RUN},
         "speed": speed or {}, "train": train, "sessions": sessions, "eval": evals,
         "notes": {key: note for key, note in NOTES.items() if key.split("/")[1] in drafts},
