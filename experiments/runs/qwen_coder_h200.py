@@ -53,8 +53,9 @@ On this CPU machine, before the session (no device time):
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
   time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded).
-Next: EAGLE-3 (~25-29 min: its step is estimated at ~1.35x DSpark's here by FLOPs, ~0.58 s, 19 min; if the session
-  runs short, its `speed` is the part to drop), then DSpark again for its `speed` (~22 min). That session's first
+Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35x DSpark's here, ~0.58 s, 19 min;
+  with the 32,000-token draft vocabulary (DRAFT_VOCAB) its LM-head work shrinks ~4.7x, so expect less; not measured
+  yet: read its s/step from the first `train` call and, if the session runs short, drop its `speed`), then DSpark again for its `speed` (~22 min). That session's first
   call, before any staging and with nothing else on the card: `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b
   PROFILE_COMPILE=on PROFILE_METHODS="plain dflash dspark" bash experiments/runs/engine_h200.sh` (a random host of
   this shape needs no staging): why DFlash's propose costs 1.82 ms here against ~0.7 ms of weight reads at the
