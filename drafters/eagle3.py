@@ -189,8 +189,10 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
             raise ValueError(f"a draft vocabulary is {n} distinct host token ids in [0, {self.vocab_size}), got "
                              f"{ids.numel()} ids ({ids.unique().numel()} distinct)")
         self.d2t.copy_(ids)
-        rows = self.shared.lm_head.weight.index_select(0, ids.to(self.shared.lm_head.weight.device))
-        self.draft_head.weight.copy_(rows.to(self.draft_head.weight))
+        head = self.shared.lm_head.weight
+        if head.is_meta:  # a shape-only host (cost models): there are no rows to start from
+            return
+        self.draft_head.weight.copy_(head.index_select(0, ids.to(head.device)).to(self.draft_head.weight))
 
     def draft_vocab_from_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """The draft_vocab most counted host token ids (ties: the lower id), from counts (V,) of training
