@@ -56,11 +56,11 @@ Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the sm
 Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35x DSpark's here, ~0.58 s, 19 min;
   with the 32,000-token draft vocabulary (DRAFT_VOCAB) its LM-head work shrinks ~4.7x, so expect less; not measured
   yet: read its s/step from the first `train` call and, if the session runs short, drop its `speed`), then DSpark
-  again for its `speed` (~22 min). That session's first call, before any staging and with nothing else on the card: `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b
-  PROFILE_COMPILE=on PROFILE_METHODS="plain dflash dspark" bash experiments/runs/engine_h200.sh` (a random host of
-  this shape needs no staging): why DFlash's propose costs 1.82 ms here against ~0.7 ms of weight reads at the
-  host's own rate (DSpark adds its sequential Markov steps, ~0.4 ms), which decides whether either can beat plain.
-  A session each: the chunks' `bash .device-stage/K/unstage.sh` calls
+  again for its `speed` (~22 min). That session's first call, before any staging and with nothing else on the card:
+  `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b PROFILE_COMPILE=on PROFILE_METHODS="plain dflash dspark" bash
+  experiments/runs/engine_h200.sh` (a random host of this shape needs no staging): why DFlash's propose costs 1.82 ms
+  here against ~0.7 ms of weight reads at the host's own rate (DSpark adds its sequential Markov steps, ~0.4 ms),
+  which decides whether either can beat plain. A session each: the chunks' `bash .device-stage/K/unstage.sh` calls
   (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
   install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
   TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
@@ -344,9 +344,10 @@ NOTES = {"draft_ms/ngram": "profiled in session 1's `baselines`, beside DSpark's
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None, speed: dict | None = None) -> dict:
     """results.json: `tau` maps "<drafter>/<set>/T<t>" to tau, with `tau_ci95`, `per_position` (conditional
     acceptance at draft positions 1..gamma), `tokens_per_s`, each trained drafter's paired ratios over the others,
-    `draft_ms` (each drafter's own work per round, propose plus observe, at 1 and 16 rows) and `accepted_per_draft_ms` ((tau - 1) per ms of one
-    request's draft step: tau per unit of draft cost), `speed` (wall-clock against plain decoding, `speeds`), and
-    what is still missing."""
+    `draft_ms` (each drafter's own work per round, propose plus observe, at 1 and 16 rows) and
+    `accepted_per_draft_ms` ((tau - 1) per ms of one request's draft step: tau per unit of draft cost), `speed`
+    (wall-clock against plain decoding, `speeds`), `notes` (caveats of recorded numbers) and what is still
+    missing."""
     drafts = drafts or {}
     keys = {}
     for tag in evals:
