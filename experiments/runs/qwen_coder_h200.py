@@ -60,7 +60,10 @@ Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35
   `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b PROFILE_COMPILE=on PROFILE_METHODS="plain dflash dspark" bash
   experiments/runs/engine_h200.sh` (a random host of this shape needs no staging): why DFlash's propose costs 1.82 ms
   here against ~0.7 ms of weight reads at the host's own rate (DSpark adds its sequential Markov steps, ~0.4 ms),
-  which decides whether either can beat plain. A session each: the chunks' `bash .device-stage/K/unstage.sh` calls
+  which decides whether either can beat plain; in that session also n-gram's draft cost alone (`dspark profile
+  --host qwen2.5-coder-1.5b --drafter ngram --batch-sizes 1 16 --tokens-per-request 1 --draft-lengths 7 --repeats 5
+  --warmup 2 --out $RUN/draft_cost/ngram.json`, before the training starts), then drop its entry in NOTES. A
+  session each: the chunks' `bash .device-stage/K/unstage.sh` calls
   (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
   install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
   TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
