@@ -49,7 +49,7 @@ def build(name: str, host, backbone_layers: int, checkpoints: Path | None):
     the recipe's shape (experiments/runs/smollm2_h200.py: DSpark and DFlash on `backbone_layers`, EAGLE-3 TTT K)."""
     if name == "plain":
         return None
-    from drafters import build_drafter
+    from drafters import build_drafter, for_inference
     from dspark.api import checkpoint_dir
 
     folder = None if checkpoints is None else checkpoints / name
@@ -62,7 +62,7 @@ def build(name: str, host, backbone_layers: int, checkpoints: Path | None):
             layers = dict(num_layers=backbone_layers)
             d = build_drafter(name, host, **{"eagle3": dict(ttt_length=K), "dspark": layers,
                                              "dflash": layers}.get(name, {}))
-    return d.to(dtype=host.dtype) if isinstance(d, torch.nn.Module) else d
+    return for_inference(d, host)  # the host's dtype, as `dspark` decodes with it
 
 
 def prompts(host, n: int, length: int = 120) -> list[list[int]]:

@@ -108,7 +108,7 @@ def cpu_split(out) -> dict:
 
 
 def drafters_for(host, names, checkpoints: Path | None, K: int):
-    from drafters import build_drafter
+    from drafters import build_drafter, for_inference
     from dspark.api import checkpoint_dir
 
     out = {}
@@ -124,8 +124,7 @@ def drafters_for(host, names, checkpoints: Path | None, K: int):
                 overrides = {"eagle3": dict(ttt_length=K)}.get(name, {})
                 torch.manual_seed(0)
                 d = build_drafter(name, host, **overrides)
-        if isinstance(d, torch.nn.Module):
-            d = d.to(dtype=host.dtype)
+        d = for_inference(d, host)  # the host's dtype, as `dspark` decodes with it
         out[name] = (d, "trained" if path is not None and path.is_dir() else ("model-free" if name.startswith("ngram")
                                                                               else "random-init"))
     return out

@@ -46,13 +46,22 @@ def drafter_directory(drafter) -> Path | None:
 def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike | None = None, **overrides):
     """A drafter object from what a user typed: None / "none" (plain decoding: returns None), a Drafter
     object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory (a
-    registered name wins over a folder of the same name: see `drafter_directory`)."""
-    from drafters import DRAFTERS, Drafter, build_drafter, load_drafter
+    registered name wins over a folder of the same name: see `drafter_directory`). A drafter built or loaded here
+    decodes in the host's dtype (`drafters.for_inference`); a Drafter object passed in is used as it is."""
+    from drafters import Drafter, for_inference
 
     if isinstance(drafter, Drafter):
         if drafter_path is not None:
             raise ValueError("pass either a drafter object or drafter_path, not both")
         return drafter
+    built = _resolve_built(host, drafter, drafter_path, **overrides)
+    return None if built is None else for_inference(built, host)
+
+
+def _resolve_built(host: Host, drafter, drafter_path, **overrides):
+    """resolve_drafter's name / path cases: the drafter as built or loaded (float32 master weights), or None."""
+    from drafters import DRAFTERS, build_drafter, load_drafter
+
     if drafter in (None, "none"):
         if drafter_path is None:
             return None

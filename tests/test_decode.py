@@ -467,3 +467,30 @@ def test_prompts_of_length_one(tiny_host, drafter_name):
     assert one.token_ids == [w[:1] for w in want] and one.rounds == 0  # the prefill token only
     sampled = generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=NEW, sampling=T1)
     assert [len(t) for t in sampled.token_ids] == [NEW] * 4
+
+
+# ---- drafters decode in the host's dtype -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["dspark", "dflash", "eagle3", "mtp"])
+def test_a_resolved_drafter_decodes_in_the_hosts_dtype(name, tmp_path):
+    """resolve_drafter (the CLI, the experiments, the transformers drop-in) casts a built or loaded drafter to a
+    bf16 host's dtype, since its float32 master weights doubled every draft step's reads on a GPU; the draft
+    still decodes (greedy, bf16 on the CPU) and a saved checkpoint keeps float32. A Drafter object passed in, and
+    build_drafter (what training uses), stay float32."""
+    from safetensors.torch import load_file
+
+    from dspark.api import resolve_drafter
+
+    model = tiny_model("qwen2")
+    host = Host(model.to(torch.bfloat16), name="bf16")
+    built = build_any(name, host, tmp_path)
+    assert {p.dtype for p in built.parameters()} == {torch.float32}
+    assert resolve_drafter(host, built) is built and next(built.parameters()).dtype == torch.float32
+    built.save_pretrained(tmp_path / name)
+    drafter = resolve_drafter(host, drafter_path=tmp_path / name)
+    assert {p.dtype for p in drafter.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    prompts = random_prompts([5, 9], host.vocab_size, seed=4)
+    out = generate(host, prompts, drafter=drafter, draft_length=K, max_new_tokens=8)
+    assert [len(t) for t in out.token_ids] == [8, 8] and int(out.log.column("proposed").sum()) > 0
+    saved = load_file(str(tmp_path / name / "model.safetensors"))
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.float32}
