@@ -82,7 +82,7 @@ Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35
   lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with float32 drafters on the bf16
 host; since session 5's code (drafters.for_inference) they decode in bf16. EAGLE-3's rows (and DSpark's re-run)
-will be bf16: say so beside them, and read DSpark's re-run against session 1 as the dtype's effect on its tau.
+will be bf16: say so beside them (DSpark's re-run against session 1 mixes the dtype with a new training's noise).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one pause of over 30 s between two calls
 (starting a helper agent): do nothing slow between calls; read logs inside the calls. Measured there: the 0.5B's
