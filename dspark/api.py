@@ -43,19 +43,23 @@ def drafter_directory(drafter) -> Path | None:
     return Path(drafter) if Path(drafter).is_dir() else None
 
 
-def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike | None = None, **overrides):
+def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike | None = None, dtype: str = "host",
+                    **overrides):
     """A drafter object from what a user typed: None / "none" (plain decoding: returns None), a Drafter
     object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory (a
     registered name wins over a folder of the same name: see `drafter_directory`). A drafter built or loaded here
-    decodes in the host's dtype (`drafters.for_inference`); a Drafter object passed in is used as it is."""
+    decodes in the host's dtype (`drafters.for_inference`), or with dtype="float32" in its float32 master weights
+    (how it decoded before 2026-12-06); a Drafter object passed in is used as it is."""
     from drafters import Drafter, for_inference
 
+    if dtype not in ("host", "float32"):
+        raise ValueError(f"drafter dtype must be 'host' or 'float32', got {dtype!r}")
     if isinstance(drafter, Drafter):
         if drafter_path is not None:
             raise ValueError("pass either a drafter object or drafter_path, not both")
         return drafter
     built = _resolve_built(host, drafter, drafter_path, **overrides)
-    return None if built is None else for_inference(built, host)
+    return built if built is None or dtype == "float32" else for_inference(built, host)
 
 
 def _resolve_built(host: Host, drafter, drafter_path, **overrides):
@@ -151,14 +155,16 @@ def generate(host: Host, drafter=None, prompts: Sequence = (), *, verifier=None,
              max_new_tokens: int | Sequence[int] = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int = 0, batch_size: int | None = None, chat: bool = True, threshold: float | None = None,
              cost_table=None, calibration=None, drafter_path=None, stop_token_ids=None,
-             progress: bool = False, concurrency: int | None = None, draft_gate: bool = True) -> Generation:
+             progress: bool = False, concurrency: int | None = None, draft_gate: bool = True,
+             drafter_dtype: str = "host") -> Generation:
     """Decode `prompts` with `host`, speculatively when `drafter` is given (object, name or directory); in static
-    batches of `batch_size`, or continuously with `concurrency` requests in flight (dspark.engine)."""
+    batches of `batch_size`, or continuously with `concurrency` requests in flight (dspark.engine). drafter_dtype:
+    see `resolve_drafter`'s dtype."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     ids = encode_prompts(host, prompts, chat=chat)
     if drafter_path is None and drafter_directory(drafter) is not None:
         drafter_path, drafter = drafter, None
-    drafter = resolve_drafter(host, drafter, drafter_path=drafter_path)
+    drafter = resolve_drafter(host, drafter, drafter_path=drafter_path, dtype=drafter_dtype)
     verifier = resolve_verifier(host, verifier, draft_length=draft_length, drafter_path=drafter_path,
                                 threshold=threshold, cost_table=cost_table, calibration=calibration,
                                 draft_gate=draft_gate)

@@ -63,6 +63,9 @@ class DecodeOptions:
         "help": "--verifier scheduler|lagged: skip the draft forward while speculation does not pay for itself, "
                 "probing again later (priced with the cost table's draft cost, `dspark profile --drafter-path`); "
                 "--no-draft-gate drafts every round"})
+    drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={
+        "help": "the dtype a drafter decodes in: host (its weights cast to the host's dtype, bf16 on a GPU) or float32 "
+                "(its float32 master weights, as `dspark` decoded before 2026-12-06: to compare with those results)"})
     draft_length: int = field(default=7, metadata={"help": "gamma: draft tokens proposed per round"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
@@ -134,6 +137,9 @@ class ProfileOptions:
         "help": "also time this drafter's own propose step (a registered name; with --drafter-path its weights) at "
                 "every --batch-sizes, so the schedulers can tell when drafting does not pay"})
     drafter_path: Optional[str] = field(default=None, metadata={"help": "the drafter checkpoint to time"})
+    drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={
+        "help": "the dtype a drafter decodes in: host (its weights cast to the host's dtype, bf16 on a GPU) or float32 "
+                "(its float32 master weights, as `dspark` decoded before 2026-12-06: to compare with those results)"})
     draft_lengths: list[int] = field(default_factory=lambda: [7], metadata={
         "help": "draft lengths (gamma) to time the drafter at"})
 
@@ -220,7 +226,7 @@ def _decode_kwargs(d: DecodeOptions, serve: ServeOptions) -> dict:
                 verifier=d.verifier, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
                 draft_gate=d.draft_gate, draft_length=d.draft_length, max_new_tokens=d.max_new_tokens,
                 temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed, batch_size=d.batch_size,
-                concurrency=serve.concurrency)
+                concurrency=serve.concurrency, drafter_dtype=d.drafter_dtype)
 
 
 def cmd_generate(argv) -> int:
@@ -348,7 +354,7 @@ def cmd_eval(argv) -> int:
                "offset": e.offset, "limit": e.limit, "max_prompt_length": e.max_prompt_length,
                "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
                "seed": d.seed, "batch_size": d.batch_size, "concurrency": v.concurrency,
-               **summarize(out.result, draft_length=d.draft_length)}
+               "drafter_dtype": d.drafter_dtype, **summarize(out.result, draft_length=d.draft_length)}
     if e.output:
         Path(e.output).parent.mkdir(parents=True, exist_ok=True)
         Path(e.output).write_text(json.dumps(metrics, indent=1) + "\n")
@@ -413,7 +419,7 @@ def cmd_profile(argv) -> int:
     if any(k < 1 for k in p.draft_lengths):
         raise ConfigError(f"--draft-lengths must be >= 1, got {p.draft_lengths}")
     host = _host(h)
-    drafter = (resolve_drafter(host, p.drafter, drafter_path=p.drafter_path)
+    drafter = (resolve_drafter(host, p.drafter, drafter_path=p.drafter_path, dtype=p.drafter_dtype)
                if p.drafter is not None or p.drafter_path is not None else None)
     cost = profile(host, batch_sizes=p.batch_sizes, tokens_per_request=p.tokens_per_request, repeats=p.repeats,
                    warmup=p.warmup, context=p.context, mode=p.mode)
@@ -516,7 +522,7 @@ def cmd_sweep(argv) -> int:
     e = resolve_split(d, e)  # the held-out split the drafter was trained with
     host = _host(h)  # as every command loads it: --deterministic switches before the host loads
     drafter = resolve_drafter(host, None if d.drafter == "none" and d.drafter_path else d.drafter,
-                              drafter_path=d.drafter_path)
+                              drafter_path=d.drafter_path, dtype=d.drafter_dtype)
     if drafter is None:
         raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
     run_sweep(host, drafter, eval_prompts(host, e), decode_opts=d, eval_opts=e, sweep_opts=s, host_name=h.host,
@@ -600,7 +606,8 @@ def cmd_bench(argv) -> int:
     host = _host(h)
     methods = {"plain": None}
     if d.drafter != "none" or d.drafter_path:
-        drafter = resolve_drafter(host, None if d.drafter == "none" else d.drafter, drafter_path=d.drafter_path)
+        drafter = resolve_drafter(host, None if d.drafter == "none" else d.drafter, drafter_path=d.drafter_path,
+                                  dtype=d.drafter_dtype)
         methods[_drafter_label(d)] = drafter
     verifier = resolve_verifier(host, d.verifier, draft_length=d.draft_length, drafter_path=d.drafter_path,
                                 threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
@@ -613,7 +620,7 @@ def cmd_bench(argv) -> int:
                  sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k))
     out = Path(b.out_dir) / "bench.json"
     write_json_atomic(out, {"host": h.host, "device": str(host.device), "dtype": str(host.dtype), "data": b.data,
-                            "rows": rows})
+                            "drafter_dtype": d.drafter_dtype, "rows": rows})
     for r in rows:
         print(f"{r['method']:>10}  C={r['concurrency']:<4} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau'] or 0:.2f}  "
               f"in flight {r['mean_in_flight']:.1f}")

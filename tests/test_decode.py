@@ -475,8 +475,8 @@ def test_prompts_of_length_one(tiny_host, drafter_name):
 def test_a_resolved_drafter_decodes_in_the_hosts_dtype(name, tmp_path):
     """resolve_drafter (the CLI, the experiments, the transformers drop-in) casts a built or loaded drafter to a
     bf16 host's dtype, since its float32 master weights doubled every draft step's reads on a GPU; the draft
-    still decodes (greedy, bf16 on the CPU) and a saved checkpoint keeps float32. A Drafter object passed in, and
-    build_drafter (what training uses), stay float32."""
+    still decodes (greedy, bf16 on the CPU) and a saved checkpoint keeps float32. A Drafter object passed in,
+    dtype="float32" (`--drafter-dtype float32`) and build_drafter (what training uses) stay float32."""
     from safetensors.torch import load_file
 
     from dspark.api import resolve_drafter
@@ -489,6 +489,10 @@ def test_a_resolved_drafter_decodes_in_the_hosts_dtype(name, tmp_path):
     built.save_pretrained(tmp_path / name)
     drafter = resolve_drafter(host, drafter_path=tmp_path / name)
     assert {p.dtype for p in drafter.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    kept = resolve_drafter(host, drafter_path=tmp_path / name, dtype="float32")  # `--drafter-dtype float32`
+    assert {p.dtype for p in kept.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="drafter dtype"):
+        resolve_drafter(host, drafter_path=tmp_path / name, dtype="float16")
     prompts = random_prompts([5, 9], host.vocab_size, seed=4)
     out = generate(host, prompts, drafter=drafter, draft_length=K, max_new_tokens=8)
     assert [len(t) for t in out.token_ids] == [8, 8] and int(out.log.column("proposed").sum()) > 0

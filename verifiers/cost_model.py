@@ -34,7 +34,8 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
                                median over repeats; [] for hand-made tables
     draft                      the drafter's own propose step (`profile_draft`), {} when not profiled:
                                {draft_key: {"batch_sizes": [R], "seconds": [s], "observe_seconds": [s],
-                               "context": n, "mode": m}} (observe_seconds: absent in older tables),
+                               "context": n, "mode": m, "dtype": the drafter's weights, or null}}
+                               (observe_seconds, dtype: absent in older tables),
                                draft_key = "<drafter name>/K<draft length>/<parameter count>"
 When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
 tokens, sps, step_ms.
@@ -392,8 +393,9 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
         seconds.append(max(statistics.median(times), 1e-9))
         observe_seconds.append(max(statistics.median(observe), 1e-9) if observe else 0.0)
         del cache
+    weights = [t.dtype for t in getattr(drafter, "parameters", lambda: ())() if t.is_floating_point()]
     return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "observe_seconds": observe_seconds,
-            "context": context, "mode": mode}
+            "context": context, "mode": mode, "dtype": str(weights[0]) if weights else None}
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:

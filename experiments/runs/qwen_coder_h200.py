@@ -81,8 +81,10 @@ Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35
   soon as the 1.5B GGUF is complete; `evaluate` takes finished trainings only, so a training cut by the session is
   lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with float32 drafters on the bf16
-host; since session 5's code (drafters.for_inference) they decode in bf16. EAGLE-3's rows (and DSpark's re-run)
-will be bf16: say so beside them (DSpark's re-run against session 1 mixes the dtype with a new training's noise).
+host (before drafters.for_inference, `dspark` decoded so); the driver keeps that (DRAFTER_DTYPE=float32) so that
+EAGLE-3's rows compare with theirs. In DSpark's re-run session, after its float32 `speed`, `DRAFTER_DTYPE=host
+ONLY=dspark BASELINES= Q speed` (into another RUN/speed folder: move the first aside) measures what bf16 drafting
+buys; say which dtype beside every row.
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one pause of over 30 s between two calls
 (starting a helper agent): do nothing slow between calls; read logs inside the calls. Measured there: the 0.5B's
@@ -248,11 +250,17 @@ def _small_lm() -> tuple[str, ...] | None:
     return None
 
 
+# the dtype trained drafters decode in (`--drafter-dtype`): float32, their master weights, as sessions 1-4 decoded
+# DSpark and DFlash (before drafters.for_inference), so that the three trained drafters' rows stay comparable;
+# DRAFTER_DTYPE=host runs them in the host's bf16 (faster draft steps), said beside such rows
+DRAFTER_DTYPE = os.environ.get("DRAFTER_DTYPE", "float32")
+
+
 def _trained(name: str) -> tuple[str, ...]:
-    """A drafter trained in RUN/NAME, as `dspark` drafter flags."""
+    """A drafter trained in RUN/NAME, as `dspark` drafter flags (eval, profile and bench take the same ones)."""
     from dspark.api import checkpoint_dir
 
-    return ("--drafter-path", str(checkpoint_dir(RUN / name)))
+    return ("--drafter-path", str(checkpoint_dir(RUN / name)), "--drafter-dtype", DRAFTER_DTYPE)
 
 
 def baselines() -> None:
