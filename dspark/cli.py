@@ -43,6 +43,11 @@ class HostOptions:
                 "each step shape compiles once, counted in the warm-up; dspark.engine.compiled); auto = on CUDA"})
 
 
+DRAFTER_DTYPE_HELP = ("the dtype a drafter decodes in: host (its weights cast to the host's dtype, bf16 on a GPU) or "
+                      "float32 (its float32 master weights, as `dspark` decoded before 2026-12-06: to compare with "
+                      "those results)")
+
+
 @dataclass
 class DecodeOptions:
     drafter: str = field(default="none", metadata={
@@ -63,9 +68,7 @@ class DecodeOptions:
         "help": "--verifier scheduler|lagged: skip the draft forward while speculation does not pay for itself, "
                 "probing again later (priced with the cost table's draft cost, `dspark profile --drafter-path`); "
                 "--no-draft-gate drafts every round"})
-    drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={
-        "help": "the dtype a drafter decodes in: host (its weights cast to the host's dtype, bf16 on a GPU) or float32 "
-                "(its float32 master weights, as `dspark` decoded before 2026-12-06: to compare with those results)"})
+    drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={"help": DRAFTER_DTYPE_HELP})
     draft_length: int = field(default=7, metadata={"help": "gamma: draft tokens proposed per round"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
@@ -137,9 +140,7 @@ class ProfileOptions:
         "help": "also time this drafter's own propose step (a registered name; with --drafter-path its weights) at "
                 "every --batch-sizes, so the schedulers can tell when drafting does not pay"})
     drafter_path: Optional[str] = field(default=None, metadata={"help": "the drafter checkpoint to time"})
-    drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={
-        "help": "the dtype a drafter decodes in: host (its weights cast to the host's dtype, bf16 on a GPU) or float32 "
-                "(its float32 master weights, as `dspark` decoded before 2026-12-06: to compare with those results)"})
+    drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={"help": DRAFTER_DTYPE_HELP})
     draft_lengths: list[int] = field(default_factory=lambda: [7], metadata={
         "help": "draft lengths (gamma) to time the drafter at"})
 
