@@ -84,8 +84,8 @@ Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with
 host (before drafters.for_inference, `dspark` decoded so); the driver keeps that (DRAFTER_DTYPE=float32) so that
 EAGLE-3's rows compare with theirs. In DSpark's re-run session, after its float32 `speed`, `DRAFTER_DTYPE=host
 ONLY=dspark BASELINES= Q speed` (into another RUN/speed folder: move the first aside) and `dspark profile ...
---drafter-dtype host --out $RUN/draft_cost/dspark-bf16.json` measure what bf16 drafting buys (the draft cost
-halving would move DSpark's tau per draft-ms against the small LM's, a target missed at float32); say which dtype
+--drafter-dtype host --out $RUN/draft_cost/dspark-bf16.json` measure what bf16 drafting buys (should the draft cost
+halve, DSpark's tau per draft-ms against the small LM's, a target missed at float32, would move); say which dtype
 beside every row.
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one pause of over 30 s between two calls
