@@ -31,7 +31,7 @@ def _qwen_tokenizer_cached() -> bool:
 
 def _driver(tmp_path, monkeypatch, **env):
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the module extends it: undo afterwards
-    for name in ("ONLY", "DRY_RUN", "STEPS", "TRAIN_WAIT_S", "REGEN_FROM", "BASELINES"):
+    for name in ("ONLY", "DRY_RUN", "STEPS", "TRAIN_WAIT_S", "REGEN_FROM", "BASELINES", "DRAFTER_DTYPE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RUN", str(tmp_path / "run"))
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
@@ -101,6 +101,20 @@ def test_render_pairs_each_trained_drafter_once_and_adds_no_session(tmp_path, mo
     assert report["paired"]["sharegpt_T0: dflash / ngram"]["ratio"] == pytest.approx((16 / 8) / (12 / 7))  # sum of tau over rounds
     assert report["sessions"] == [{"date": "one"}] and report["settings"] == {"steps": 2}
     assert "| sharegpt_T0: dflash / ngram | 1.167 |" in (tmp_path / "results.md").read_text()
+
+
+def test_host_dtype_rows_stand_beside_the_float32_ones(tmp_path, monkeypatch):
+    """DRAFTER_DTYPE=host: trained drafters decode in bf16 (`--drafter-dtype host`) and their draft cost and speed
+    are keyed NAME~host, each priced against the drafter's own tau; the default keeps float32 under NAME."""
+    module = _driver(tmp_path, monkeypatch, DRAFTER_DTYPE="host", ONLY="dspark")
+    assert module._timed_as("dspark") == "dspark~host"
+    assert module._trained("dspark")[-2:] == ("--drafter-dtype", "host")
+    report = module.results({"dspark_sharegpt_T0": _summary(3.0, [9, 9, 6], [3, 3, 2])}, {}, [],
+                            {"dspark": {"1": 4.0}, "dspark~host": {"1": 2.0}})
+    assert report["accepted_per_draft_ms"] == {"dspark/sharegpt/T0": pytest.approx(0.5),
+                                               "dspark~host/sharegpt/T0": pytest.approx(1.0)}
+    plain = _driver(tmp_path / "default", monkeypatch)
+    assert plain._timed_as("dspark") == "dspark" and "float32" in plain._trained("dspark")
 
 
 def test_later_phases_wait_for_a_background_driver(tmp_path, monkeypatch):

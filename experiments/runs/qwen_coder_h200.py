@@ -82,11 +82,10 @@ Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35
   lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with float32 drafters on the bf16
 host (before drafters.for_inference, `dspark` decoded so); the driver keeps that (DRAFTER_DTYPE=float32) so that
-EAGLE-3's rows compare with theirs. In DSpark's re-run session, after its float32 `speed`, `DRAFTER_DTYPE=host
-ONLY=dspark BASELINES= Q speed` (into another RUN/speed folder: move the first aside) and `dspark profile ...
---drafter-dtype host --out $RUN/draft_cost/dspark-bf16.json` measure what bf16 drafting buys (should the draft cost
-halve, DSpark's tau per draft-ms against the small LM's, a target missed at float32, would move); say which dtype
-beside every row.
+EAGLE-3's rows compare with theirs. In DSpark's re-run session, after its float32 `evaluate` and `speed`,
+`DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q evaluate speed collect` measures what bf16 drafting buys: its draft
+cost and speed land under dspark~host beside the float32 ones (its tau is not re-evaluated; should the draft cost
+halve, DSpark's tau per draft-ms against the small LM's, a target missed at float32, would move).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one pause of over 30 s between two calls
 (starting a helper agent): do nothing slow between calls; read logs inside the calls. Measured there: the 0.5B's
@@ -258,6 +257,13 @@ def _small_lm() -> tuple[str, ...] | None:
 DRAFTER_DTYPE = os.environ.get("DRAFTER_DTYPE", "float32")
 
 
+def _timed_as(name: str) -> str:
+    """The key a trained drafter's draft cost and speed are recorded under: its name, or NAME~host when it decodes
+    in the host's dtype (DRAFTER_DTYPE=host), so that both dtypes' rows of one drafter stand side by side (its tau
+    is recorded once, under its name)."""
+    return name if DRAFTER_DTYPE == "float32" else f"{name}~{DRAFTER_DTYPE}"
+
+
 def _trained(name: str) -> tuple[str, ...]:
     """A drafter trained in RUN/NAME, as `dspark` drafter flags (eval, profile and bench take the same ones)."""
     from dspark.api import checkpoint_dir
@@ -300,7 +306,7 @@ def evaluate() -> None:
         for data in SETS:
             for temperature in TEMPERATURES:
                 base._eval(name, data, *_trained(name), temperature=temperature)
-        _draft_cost(name, *_trained(name))
+        _draft_cost(_timed_as(name), *_trained(name))
 
 
 def speed() -> None:
@@ -310,7 +316,7 @@ def speed() -> None:
     each of SPEED's concurrencies, verify-all at gamma, greedy, the engine's CUDA defaults (compiled host layers,
     graph rounds). Each finished drafter of DRAFTERS, then the baselines that load in this session (n-gram, the
     small LM); MT-Bench first for all of them."""
-    flags = {name: _trained(name) for name in DRAFTERS if base._finished(name)}
+    flags = {_timed_as(name): _trained(name) for name in DRAFTERS if base._finished(name)}
     if "ngram" in BASELINES:
         flags["ngram"] = ("--drafter", "ngram")
     small = _small_lm() if "small-lm" in BASELINES else None
@@ -382,8 +388,10 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
         "tokens_per_s": {k: m.get("tokens_per_s") for k, m in table.items()},
         "paired": base._paired(evals, against=TAU_DRAFTERS[1:], drafters=TAU_DRAFTERS[:3]),
         "draft_ms": drafts,
-        "accepted_per_draft_ms": {k: (m["tau"] - 1) / drafts[k.split("/")[0]]["1"] for k, m in table.items()
-                                  if drafts.get(k.split("/")[0], {}).get("1")},
+        # keyed by the draft cost's name (NAME~host too: `_timed_as`), its tau the drafter's own
+        "accepted_per_draft_ms": {f"{d}/{k.split('/', 1)[1]}": (m["tau"] - 1) / ms["1"]
+                                  for d, ms in drafts.items() if ms.get("1")
+                                  for k, m in table.items() if k.split("/")[0] == d.split("~")[0]},
         "missing": [k for k in expected if k not in table],
         "settings": {"host": "qwen2.5-coder-1.5b", "gamma": base.GAMMA, "steps": STEPS, "prompts": PROMPTS,
                      "regenerate": REGEN, "eval": EVAL, "drafters": RECIPES,
