@@ -102,9 +102,8 @@ def for_inference(drafter, host):
     (dspark.training.train) and never calls this."""
     import torch
 
-    if isinstance(drafter, torch.nn.Module) and host.dtype.is_floating_point and any(
-            t.is_floating_point() and t.dtype != host.dtype for t in (*drafter.parameters(), *drafter.buffers())):
-        drafter.to(dtype=host.dtype)
+    if isinstance(drafter, torch.nn.Module) and host.dtype.is_floating_point:
+        drafter.to(dtype=host.dtype)  # floating tensors only (EAGLE-3's d2t stays long); a no-op where they match
     return drafter
 
 

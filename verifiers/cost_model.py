@@ -393,9 +393,9 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
         seconds.append(max(statistics.median(times), 1e-9))
         observe_seconds.append(max(statistics.median(observe), 1e-9) if observe else 0.0)
         del cache
-    weights = [t.dtype for t in getattr(drafter, "parameters", lambda: ())() if t.is_floating_point()]
+    dtype = next((str(t.dtype) for t in getattr(drafter, "parameters", lambda: ())() if t.is_floating_point()), None)
     return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "observe_seconds": observe_seconds,
-            "context": context, "mode": mode, "dtype": str(weights[0]) if weights else None}
+            "context": context, "mode": mode, "dtype": dtype}
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:

@@ -417,8 +417,7 @@ def collect() -> None:
     train.update({name: base._train_summary(name) for name in trained_here})
     report = results(evals, train, previous.get("sessions", []) + [base._environment()], draft_ms(previous),
                      speeds(previous))
-    (OUT / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (OUT / "results.md").write_text(_markdown(report) + "\n" + base._table(evals, report["paired"]))
+    _write(OUT, report)
     curves = {n: Path(RECORDED).parent / f"metrics_{n}.jsonl" for n in TAU_DRAFTERS[:3]} if RECORDED else {}
     curves = {n: p for n, p in curves.items() if p.is_file()}
     curves.update({n: RUN / n / "metrics.jsonl" for n in trained_here})
@@ -446,9 +445,14 @@ def render() -> None:
     report = results(previous["eval"], previous["train"], previous["sessions"], previous.get("draft_ms", {}),
                      previous.get("speed", {}))
     report["settings"] = previous["settings"]
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (path.parent / "results.md").write_text(_markdown(report) + "\n" + base._table(previous["eval"], report["paired"]))
+    _write(path.parent, report)
     say(f"rendered {path} and results.md again: {len(report['paired'])} paired comparisons")
+
+
+def _write(folder: Path, report: dict) -> None:
+    """results.json and results.md of `report` into `folder` (collect's OUT, or render's recorded folder)."""
+    (folder / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (folder / "results.md").write_text(_markdown(report) + "\n" + base._table(report["eval"], report["paired"]))
 
 
 def _markdown(report: dict) -> str:
