@@ -54,18 +54,16 @@ On this CPU machine, before the session (no device time):
      nothing but the pause); chunk 1 (128 KB) travels with chunk 2 in one call.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
-  time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded).
-Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35x DSpark's here, ~0.58 s, 19 min;
-  with the 32,000-token draft vocabulary (DRAFT_VOCAB) its LM-head work shrinks ~4.7x, so expect less; not measured
-  yet: read its s/step from the first `train` call and, if the session runs short, drop its `speed`), then DSpark
-  again for its `speed` (~22 min). That session's first call, before any staging and with nothing else on the card:
-  `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b PROFILE_COMPILE=on PROFILE_METHODS="plain dflash dspark" bash
-  experiments/runs/engine_h200.sh` (a random host of this shape needs no staging): why DFlash's propose costs 1.82 ms
-  here against ~0.7 ms of weight reads at the host's own rate (DSpark adds its sequential Markov steps, ~0.4 ms),
-  which decides whether either can beat plain; in that session also n-gram's draft cost alone (`dspark profile
-  --host qwen2.5-coder-1.5b --drafter ngram --batch-sizes 1 16 --tokens-per-request 1 --draft-lengths 7 --repeats 5
-  --warmup 2 --out $RUN/draft_cost/ngram.json`, before the training starts), then drop its entry in NOTES. A
-  session each: the chunks' `bash .device-stage/K/unstage.sh` calls
+  time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded); session 5 EAGLE-3
+  (draft vocabulary 32,000: 0.281 s a step, 9.4 min, peak 18.0 GB; evaluations, draft cost, `speed`) in 1,199 s.
+Next: DSpark again for its `speed` (~22 min). That session's first call, before any staging and with nothing else
+  on the card: `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b PROFILE_COMPILE=on PROFILE_METHODS="plain dflash
+  dspark" bash experiments/runs/engine_h200.sh` (a random host of this shape needs no staging): why DFlash's propose
+  costs 1.82 ms here against ~0.7 ms of weight reads at the host's own rate (DSpark adds its sequential Markov steps,
+  ~0.4 ms), which decides whether either can beat plain; in that session also n-gram's draft cost alone (`dspark
+  profile --host qwen2.5-coder-1.5b --drafter ngram --batch-sizes 1 16 --tokens-per-request 1 --draft-lengths 7
+  --repeats 5 --warmup 2 --out $RUN/draft_cost/ngram.json`, before the training starts), then drop its entry in
+  NOTES. A session each: the chunks' `bash .device-stage/K/unstage.sh` calls
   (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
   install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
   TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
@@ -77,8 +75,8 @@ Next: EAGLE-3 (over the full vocabulary its step was estimated by FLOPs at ~1.35
   MT-Bench and HumanEval prompts, which only the session that trained it can measure: checkpoints stay on the
   machine; n-gram and the small LM on HumanEval prompts, `ONLY=<drafter> BASELINES=ngram,small-lm Q speed
   collect`, need the 0.5B staged and about 2 min more). DFlash's step was 0.35 s
-  (11.6 min for 2000 steps); EAGLE-3's was 1.1-1.4x DSpark's on SmolLM2: ~0.5-0.6 s, 17-20 min, so it must start as
-  soon as the 1.5B GGUF is complete; `evaluate` takes finished trainings only, so a training cut by the session is
+  (11.6 min for 2000 steps), EAGLE-3's 0.28 s, DSpark's 0.43 s (14 min), so it must start as soon as the 1.5B GGUF
+  is complete; `evaluate` takes finished trainings only, so a training cut by the session is
   lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with float32 drafters on the bf16
 host (before drafters.for_inference, `dspark` decoded so); the driver keeps that (DRAFTER_DTYPE=float32) so that
@@ -93,8 +91,7 @@ four evaluations 70 s and its draft cost 6 s beside DFlash's training, DFlash 0.
 calls ~3.5 s each; session 3: the 0.5B's conversion and `speed` for n-gram and the small LM 130 s.
 Commit each session's results.json / results.md / metrics_*.jsonl / training_curves.png here (collect merges them).
 
-Doubtful: whether EAGLE-3 (full-vocabulary logits over 7 unrolled steps) fits at BATCH=2 on an H100 (SmolLM2's
-peak was 1.14x DSpark's at batch 4: likely); the prompt mix's coding / general split is a keyword regex.
+Doubtful: the prompt mix's coding / general split is a keyword regex.
 """
 from __future__ import annotations
 
