@@ -52,6 +52,8 @@ On this CPU machine, before the session (no device time):
      travels with the data wheels in chunk 30. Chunk size: a call carries at most 64 MiB with the tracked tree (`git
      ls-files -z | xargs -0 du -cb | tail -1`: ~24 MB), so up to 64 - tree - 1 MiB (a call over it is refused, costing
      nothing but the pause); chunk 1 (128 KB) travels with chunk 2 in one call.
+     After session 5 the tree is 24.7 MiB: the staged 38 MiB chunks still fit (with 0.3 MiB to spare, counting the
+     1 MiB margin); should the tree grow past 25 MiB, stage again with --chunk-mib 36.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
   time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded); session 5 EAGLE-3
