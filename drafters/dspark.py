@@ -40,7 +40,7 @@ from drafters.losses import (checkpointed_chunks, chunk_rows, confidence_bce, di
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache, aligned_length
 from dspark.engine.protocol import DraftState, Drafter, Proposal
-from dspark.engine.sampling import STREAM_ANCHOR, uniform
+from dspark.engine.sampling import STREAM_ANCHOR, argmax, uniform
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -251,7 +251,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
             step = self.head_step(prev, h[:, k], s, None if conf_h is None else conf_h[:, k])
             logits = U[:, k] if step.bias is None else U[:, k] + step.bias  # (B, V)
             if greedy:
-                prev = logits.argmax(-1)
+                prev = argmax(logits)
             else:
                 q[:, k], prev = state.draw(logits, k)
             tokens.append(prev)

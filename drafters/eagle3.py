@@ -60,6 +60,7 @@ from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
 from dspark.engine.rotary import rope
+from dspark.engine.sampling import argmax
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -262,7 +263,7 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
                 g = self._cached_step(g.unsqueeze(1), tokens[-1].unsqueeze(1), position.unsqueeze(1))[:, 0]
             logits = self._logits(g)  # (B, V), or (B, draft_vocab)
             if state.sampling.greedy:  # q: the point mass on the token, which Proposal.q = None states
-                token = logits.argmax(-1)
+                token = argmax(logits)
             else:
                 q, token = state.draw(logits, k)  # q (B, V): the exact distribution x_{k+1} is drawn from
                 if self.config.draft_vocab:  # on the host vocabulary, zero outside the draft one

@@ -26,6 +26,7 @@ from drafters.losses import distill_terms, per_position_mean, weight_total, weig
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
+from dspark.engine.sampling import argmax
 
 
 @dataclass
@@ -109,7 +110,7 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         U = self.shared.logits(h[:, 0])  # (B, V)
         lengths = torch.ones(B, dtype=torch.long, device=tokens.device)
         if state.sampling.greedy:
-            tokens[:, 0] = U.argmax(-1)
+            tokens[:, 0] = argmax(U)
             return Proposal(tokens=tokens, lengths=lengths, width=1)
         q = U.new_zeros(B, K, U.shape[-1])  # (B, K, V)
         q[:, 1:, 0] = 1.0  # padded slots: point mass on their token 0, never verified

@@ -80,3 +80,15 @@ def test_loop_profile_refuses_a_scheduler_without_a_cost_table(tmp_path):
     with pytest.raises(SystemExit):
         load_script("benchmarks/loop_profile.py").main(["--device", "cpu", "--host", "random:tiny-llama",
                                                         "--policy", "scheduler", "--out-dir", str(tmp_path)])
+
+
+def test_argmax_split_script_writes_its_table(tmp_path):
+    """benchmarks/argmax_split.py on the CPU (eager, float32): both argmaxes agree on every shape, and the results
+    file has the machine, the command and a row per (variant, V, rows)."""
+    path = load_script("benchmarks/argmax_split.py").main(
+        ["--device", "cpu", "--vocab", "32000", "1000", "--rows", "1", "3", "--calls", "2", "--repeats", "2",
+         "--out-dir", str(tmp_path)])
+    doc = json.loads(path.read_text())
+    assert len(doc["rows"]) == 2 * 2 * 2 and all(r["same"] and r["split_us"] > 0 for r in doc["rows"])
+    assert doc["environment"]["torch"] and doc["command"].startswith("python benchmarks/argmax_split.py")
+    assert "| add+argmax | 32000 | 3 |" in (tmp_path / "argmax_split.md").read_text()

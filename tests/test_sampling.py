@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, process, sample, uniform
+from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, argmax, process, sample, uniform
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -42,3 +42,21 @@ def test_top_k_top_p_and_greedy():
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0, 0]]))
     p = process(logits, SamplingConfig(temperature=2.0))
     assert torch.allclose(p, torch.softmax(logits / 2, -1))
+
+
+@pytest.mark.parametrize("vocab", [151936, 49152, 32000, 50257, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax(vocab, dtype):
+    """The two-stage argmax (split rows) and the one-stage fallback (odd or short rows) return torch's index, ties
+    (the first maximal index, also across chunks) and NaN (the largest) included."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(4, 3, vocab, generator=g).to(dtype)
+    x[0, 0] = 0.0  # every entry ties
+    x[0, 1, ::7] = 5.0  # ties in many chunks
+    x[0, 2, vocab // 2] = x[0, 2, vocab - 1] = 9.0  # a tie between two far chunks
+    x[1, 0] = x[1, 0].round()  # ties within chunks
+    x[2, 0, 100] = x[2, 0, vocab - 5] = float("nan")
+    x[3, 1, vocab - 1] = 1e4  # the last entry
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x[:, 1]), x[:, 1].argmax(-1))  # a strided (non-contiguous) row batch
+    assert argmax(x[:0]).shape == (0, 3)

@@ -24,7 +24,8 @@ from dspark.engine.acceptance import greedy_accept, rejection_sample
 from dspark.engine.protocol import DraftState, Drafter, NoDrafter, Proposal, VerifyAll
 from dspark.engine.results import GenerationResult, RoundLog
 from dspark.engine.run import run_slots
-from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, check_finite, process, sample, uniform
+from dspark.engine.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, argmax, check_finite, process,
+                                    sample, uniform)
 
 
 def _check_engine(engine: str, concurrency: int | None) -> None:
@@ -245,7 +246,7 @@ def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) 
     # 4 accept
     positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=device)  # (B, L+1)
     if sampling.greedy:
-        acc = greedy_accept(logits.argmax(-1), tokens, ell)
+        acc = greedy_accept(argmax(logits), tokens, ell)
         nxt = acc.next_token
     else:
         u = uniform(state.seeds, positions[:, :L], STREAM_ACCEPT)  # (B, L)
@@ -319,7 +320,7 @@ def _record_finished(batch: _Batch, sink: _Sink) -> None:
 def _draw(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, position: torch.Tensor):
     """One token per row from logits (B, V), keyed by its absolute position (B,)."""
     if sampling.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(process(logits, sampling), seeds, position, STREAM_SAMPLE)
 
 

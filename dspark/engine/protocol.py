@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.sampling import STREAM_DRAFT, SamplingConfig, process, sample
+from dspark.engine.sampling import STREAM_DRAFT, SamplingConfig, argmax, process, sample
 
 
 # how many graph_shapes blocks are open (a plain global, not a ContextVar: the engine runs on one thread, and
@@ -88,7 +88,7 @@ class DraftState:
         round and never shared with the host's streams."""
         q = process(logits, self.sampling)
         if self.sampling.greedy:
-            return q, logits.argmax(-1)
+            return q, argmax(logits)
         return q, sample(q, self.seeds, self.rounds * 1024 + k, STREAM_DRAFT)  # K < 1024: keys never collide
 
 

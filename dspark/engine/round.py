@@ -25,7 +25,7 @@ import torch
 
 from dspark.engine.acceptance import greedy_accept, rejection_sample
 from dspark.engine.compiled import commit_fn, drafter_fn
-from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, process, sample, uniform
+from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, argmax, process, sample, uniform
 from dspark.engine.protocol import Proposal
 
 # columns of the packed round output after the K + 1 new tokens; AHEAD: the longest length of the next round's
@@ -202,7 +202,7 @@ def _commit(logits, draft_tokens, draft_q, ell, proposed, next_width, confidence
     anchor_pos = seq_len - 1  # (C,)
     positions = anchor_pos.unsqueeze(1) + 1 + torch.arange(L + 1, device=ell.device)  # (C, L+1)
     if sampling.greedy:
-        acc = greedy_accept(logits.argmax(-1), tokens, ell)
+        acc = greedy_accept(argmax(logits), tokens, ell)
         nxt = acc.next_token
     else:
         p = process(logits, sampling)  # (C, L+1, V)

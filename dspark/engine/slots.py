@@ -17,7 +17,7 @@ import torch
 
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.prefill import Prefill
-from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, process, sample
+from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, argmax, process, sample
 from dspark.engine.protocol import DraftState, Drafter
 
 
@@ -58,7 +58,7 @@ def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tenso
 def draw_first(logits: torch.Tensor, sampling: SamplingConfig, seeds: torch.Tensor, position: torch.Tensor):
     """The token after the prompt from logits (n, V), keyed by its absolute position (n,), as decode._draw."""
     if sampling.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(process(logits, sampling), seeds, position, STREAM_SAMPLE)
 
 
