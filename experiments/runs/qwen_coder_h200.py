@@ -360,9 +360,11 @@ def draft_ms(previous: dict) -> dict:
 
 
 # caveats of recorded numbers, written into results.json ("notes") and results.md, keyed as the numbers are
-NOTES = {"draft_ms/ngram": "profiled in session 1's `baselines`, beside DSpark's training on the same card: not "
-                           "n-gram's draft cost (on SmolLM2 its compiled propose took 0.06 ms), so neither is its "
-                           "(tau - 1) per draft-ms"}
+NOTES = {"draft_ms/ngram": "timed in session 6 (2026-12-06, H100) on a random Qwen2.5-Coder-1.5B-shaped host "
+                           "(`dspark profile --host random:qwen2.5-coder-1.5b --drafter ngram --batch-sizes 1 16 "
+                           "--tokens-per-request 1 --draft-lengths 7 --repeats 5 --warmup 2`, graph steps, nothing "
+                           "else on the card): n-gram's propose reads the context's token ids, never the host's "
+                           "weights; session 1's 2.42 ms ran beside DSpark's training and is replaced"}
 
 
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None, speed: dict | None = None) -> dict:
