@@ -1,13 +1,13 @@
 """The split argmax against torch's, compiled and replayed as CUDA graphs: why `dspark.engine.sampling.argmax` exists.
 
-    python benchmarks/argmax_split.py --out-dir DIR [--vocab 151936 49152 32000] [--rows 1 8 64 512]
+    python benchmarks/argmax_split.py --out-dir DIR [--vocab 151936 49152 32000] [--rows 1 8 64 512] [--dtype bfloat16]
 
-For each vocabulary size V and number of rows B, on one bf16 tensor (B, V) and a bias of the same shape: torch's
-`x.argmax(-1)` and the engine's two-stage `argmax(x)`, alone and fused behind an add (`argmax(u + bias)`, DSpark's
-Markov step), each through torch.compile and, on CUDA, captured in a CUDA graph of --calls calls and replayed:
-microseconds per call (the median over --repeats replays) and whether both gave the same indices. On the CPU
-(`--device cpu`, a smoke test) the calls run eagerly, timed with perf_counter. Writes DIR/argmax_split.json and
-DIR/argmax_split.md with the machine, versions, command and date.
+For each vocabulary size V and number of rows B, on one tensor (B, V) and a bias of the same shape (float32, as the
+engine's logits, unless --dtype says otherwise): torch's `x.argmax(-1)` and the engine's two-stage `argmax(x)`,
+alone and fused behind an add (`argmax(u + bias)`, DSpark's Markov step), each through torch.compile and, on CUDA,
+captured in a CUDA graph of --calls calls and replayed: microseconds per call (the median over --repeats replays)
+and whether both gave the same indices. On the CPU (`--device cpu`, a smoke test) the calls run eagerly, timed with
+perf_counter. Writes DIR/argmax_split.json and DIR/argmax_split.md with the machine, versions, command and date.
 """
 from __future__ import annotations
 
@@ -73,12 +73,14 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--calls", type=int, default=20, help="calls per captured graph (per timing on the CPU)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="of the logits: the engine's are float32 (host and drafters cast theirs)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     for limit in ("recompile_limit", "cache_size_limit"):  # one compile per (variant, shape): above dynamo's 8
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 1024)
-    dtype = torch.float32  # the engine draws from float32 logits (host and drafters cast theirs)
+    dtype = getattr(torch, args.dtype)
     compiled = {name: tuple(torch.compile(f, dynamic=False) if device.type == "cuda" else f for f in pair)
                 for name, pair in VARIANTS.items()}
     rows = []
