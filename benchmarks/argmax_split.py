@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.engine.sampling import argmax  # noqa: E402
 from dspark.metrics import markdown_table  # noqa: E402
 from dspark.quickstart import environment  # noqa: E402
+from verifiers.cost_model import _runner, _timed  # noqa: E402
 
 VARIANTS = {
     "argmax": (lambda x, b: x.argmax(-1), lambda x, b: argmax(x)),
@@ -33,32 +33,24 @@ VARIANTS = {
 
 
 def time_calls(fn, x, bias, *, calls: int, repeats: int) -> tuple[float, torch.Tensor]:
-    """Microseconds per call of fn(x, bias) (median over repeats) and its result."""
+    """Microseconds per call of fn(x, bias) (the median over repeats) and its result. The calls run `calls` in a row,
+    so that one replay's launch (or one timing's overhead) is spread over them; on CUDA they are captured once as a
+    CUDA graph (verifiers.cost_model's capture, as `dspark profile` times steps) and timed with CUDA events."""
     out = fn(x, bias)
-    if x.device.type != "cuda":
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn(x, bias)
-            seconds.append((time.perf_counter() - start) / calls)
-        return 1e6 * statistics.median(seconds), out
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up off the capture stream, as torch.cuda.graphs asks
-        for _ in range(3):
-            fn(x, bias)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run() -> None:
         for _ in range(calls):
-            out = fn(x, bias)
-    graph.replay()
+            fn(x, bias)
+
+    if x.device.type != "cuda":
+        return 1e6 * statistics.median(_timed(run, x.device, warmup=0, repeats=repeats)) / calls, out
+    replay = _runner(run, x.device, "graph", warmup=3)
+    replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ms = []
     for _ in range(repeats):
         begin.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         ms.append(begin.elapsed_time(end) / calls)
