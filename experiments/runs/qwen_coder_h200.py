@@ -63,11 +63,12 @@ Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too littl
 Session 7 (2026-12-06, eighth session): four failed machine starts (466 s) left 1,334 s, under what DSpark's re-run
   needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
 Next: DSpark again for its `speed` (~23 min: staging ~3.5 (31 calls), conversion and pytest beside the training's
-  start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time
-  is left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
-  1.07-1.16x at one request with a bf16 drafter). It needs about 1,400 s of the 1,800 with no failed start: when
-  the first starts fail (each costs 90-180 s) and less than 1,450 s is left, do not begin it; take the
-  profile-style work that needs no staging. Its `speed` rows will run the split argmax, the other drafters' (sessions 3-5) did not: say so where DSpark's ratio is set beside theirs.
+  start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
+  left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
+  1.07-1.16x at one request with a bf16 drafter). It needs about 1,400 s of the 1,800 with no failed start: when the
+  first starts fail (each costs 90-180 s) and less than 1,450 s is left, do not begin it; take the profile-style work
+  that needs no staging. Its `speed` rows will run the split argmax, the other drafters' (sessions 3-5) did not: say
+  so where DSpark's ratio is set beside theirs.
   A session each: the chunks' `bash .device-stage/K/unstage.sh` calls (each with carry [".device-stage/K"]); in the
   call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip install -q --no-index --no-deps --target /tmp/site
   /tmp/dspark-stage/*.whl && $E && ONLY=<drafter> TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the
