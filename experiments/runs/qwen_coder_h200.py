@@ -60,8 +60,8 @@ Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the sm
 Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too little for DSpark's retraining; done
   instead without staging: the round profile of a random host of this shape (RESULTS "Session 6"), the split argmax
   (dspark.engine.sampling.argmax: DSpark's propose 1.11 -> 0.84 ms there), n-gram's draft cost alone (in NOTES).
-Session 7 (2026-12-06, eighth session): four failed machine starts (466 s) left 1,334 s, under what DSpark's re-run
-  needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
+Session 7 (2026-12-06, eighth session): six failed machine starts and a refused call (556 s) left 1,244 s, under
+  what DSpark's re-run needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
 Next: DSpark again for its `speed` (~23 min: staging ~3.5 (31 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
