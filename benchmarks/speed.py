@@ -40,6 +40,7 @@ from dspark.api import encode_prompts, load_host  # noqa: E402
 from dspark.engine.attention import SDPA_BACKENDS, restrict_sdpa  # noqa: E402
 from dspark.engine.compiled import set_inductor  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
+from dspark.engine import serve as serve_module  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
 
@@ -104,7 +105,8 @@ def cpu_split(out) -> dict:
     e, rounds = out.engine, max(1, out.rounds)
     wait = e.get("wait_s", 0.0)
     return {"cpu_ms_per_round": 1000 * (out.seconds - wait) / rounds, "wait_ms_per_round": 1000 * wait / rounds,
-            "admit_ms_per_round": 1000 * e.get("admit_s", 0.0) / rounds, "admissions": e.get("admissions", 0)}
+            "admit_ms_per_round": 1000 * e.get("admit_s", 0.0) / rounds, "admissions": e.get("admissions", 0),
+            "gc_ms": 1000 * e.get("gc_s", 0.0), "gc_collections": e.get("gc_collections")}
 
 
 def drafters_for(host, names, checkpoints: Path | None, K: int):
@@ -204,19 +206,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, no timings worth keeping")
     ap.add_argument("--sdpa", nargs="+", default=None, choices=sorted(SDPA_BACKENDS),
                     help="the SDPA backends allowed (default: all, SDPA's own choice: cuDNN on Hopper)")
+    ap.add_argument("--gc-freeze", choices=["on", "off"], default="on",
+                    help="freeze the objects alive when a decode starts for its loop (dspark.engine.serve.quiet_gc); "
+                         "off: an A/B of that")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="torch._inductor.config options for the compiled pieces, e.g. combo_kernels=True")
     args = ap.parse_args(argv)
     if args.sdpa:
         restrict_sdpa(args.sdpa)
     inductor = set_inductor(args.inductor)
+    serve_module.FREEZE_GC = args.gc_freeze == "on"
     K = args.draft_length
     NEW = args.max_new_tokens
     command = "python benchmarks/speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "host": args.host, "command": command,
-           "sdpa": args.sdpa or "default", "inductor": inductor}
+           "sdpa": args.sdpa or "default", "inductor": inductor, "gc_freeze": args.gc_freeze}
     import transformers
 
     env["transformers"] = transformers.__version__
@@ -315,15 +321,15 @@ def runs_json(runs: dict) -> dict:
 
 def table(r: dict) -> str:
     lines = ["| method | C | tok/s | tau | ratio to plain | ratio / tau "
-             "| ms/round draft / verify / accept / bookkeeping | CPU ms/round own / of it admit | graphs | warm-up s "
-             "| in flight |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | | | |")
+             "| ms/round draft / verify / accept / bookkeeping | CPU ms/round own / of it admit "
+             "| GC ms in loop (collections of gen 0/1/2) | graphs | warm-up s | in flight |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | | | | |")
     lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} "
-                 f"| | | | | | | | |")
+                 f"| | | | | | | | | |")
     failed = r.get("hf_custom_generate_error")
     lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | "
-                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | | | |")
+                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | | | | |")
     for name, rs in r["runs"].items():
         for C, x in rs.items():
             plain = r["runs"]["plain"].get(C, {}).get("tok_s")  # plain variants too: the overlap's, compile's gain
@@ -331,10 +337,12 @@ def table(r: dict) -> str:
             split = " / ".join(f"{st.get(k, float('nan')):.2f}" for k in ("draft", "verify", "accept", "bookkeeping"))
             cpu = (f"{x['cpu_ms_per_round']:.2f} / {x['admit_ms_per_round']:.2f}" if "cpu_ms_per_round" in x
                    else "")  # speed.json files written before the CPU split
+            gc_ms = (f"{x['gc_ms']:.1f} ({'/'.join(map(str, x['gc_collections']))})" if x.get("gc_collections")
+                     else "")  # and before the garbage collections were counted
             ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""
             conversion = f"{x['tok_s'] / plain / x['tau']:.2f}" if plain and not name.startswith("plain") else ""
             lines.append(f"| {name}{' (' + x['drafter'] + ')' if 'drafter' in x else ''} | {C} | {x['tok_s']:.1f} | "
-                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {cpu} | {x['graphs']} | {x['warmup_s']:.2f} | "
+                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {cpu} | {gc_ms} | {x['graphs']} | {x['warmup_s']:.2f} | "
                          f"{x['in_flight_fraction_until_dry']:.3f} |")
     if "llama8b_step_ms" in r:
         layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"

@@ -247,15 +247,16 @@ def engine_stats(result: GenerationResult) -> dict:
     """Where a slot-engine decode's seconds went, for reading a row's speed: rounds and how many ran the drafter
     (the others were plain rounds of a draft gate), the mean verify width (tokens per slot per forward), the
     seconds the CPU waited on the device's copies (the rest of the wall time is its own work: launches, commits,
-    admissions), admissions and their launch seconds, graphs captured and the warm-up left out of `seconds`, and,
-    when decoded with `timing`, the device seconds of each round stage (stage_s)."""
+    admissions), admissions and their launch seconds, graphs captured and the warm-up left out of `seconds`, the
+    garbage collections inside the loop and their seconds, and, when decoded with `timing`, the device seconds of
+    each round stage (stage_s)."""
     e = result.engine
     widths = e.get("widths") or []
     return {"rounds": result.rounds, "drafted_rounds": e.get("drafted_rounds"),
             "mean_width": sum(widths) / len(widths) if widths else None,
             "wait_s": e.get("wait_s"), "admissions": e.get("admissions"), "admit_s": e.get("admit_s"),
             "graphs": e.get("graphs"), "warmup_s": e.get("warmup_s"), "overlapped": e.get("overlapped"),
-            "stage_s": e.get("stage_s") or None}
+            "gc_s": e.get("gc_s"), "gc_collections": e.get("gc_collections"), "stage_s": e.get("stage_s") or None}
 
 
 # ---- outputs ----------------------------------------------------------------------------------------------------

@@ -619,3 +619,39 @@ def test_device_work_queued_before_a_capture_counts_as_run_time_not_warm_up(tiny
         out = generate(tiny_host, prompts_of(tiny_host)[:2], drafter=drafter, draft_length=K, max_new_tokens=4,
                        concurrency=2, graphs="static")
         assert out.engine["warmup_s"] < QUEUED <= out.seconds
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_loop_freezes_what_lived_before_it_and_counts_its_garbage_collections(tiny_host, monkeypatch, freeze):
+    """serve.quiet_gc: inside the loop the objects alive at its start are frozen (FREEZE_GC) and released after;
+    a collection that runs inside is counted and timed in the engine's stats; the tokens do not change."""
+    import gc
+
+    monkeypatch.setattr(serve, "FREEZE_GC", freeze)
+    prompts = prompts_of(tiny_host)
+    seen: list[int] = []
+
+    def callback(i, ids):
+        seen.append(gc.get_freeze_count())
+        gc.collect()  # a full collection inside the loop, as a threshold would trigger
+        return False
+
+    assert gc.get_freeze_count() == 0
+    out = generate(tiny_host, prompts, max_new_tokens=4, concurrency=2, on_tokens=callback)
+    assert gc.get_freeze_count() == 0  # released
+    assert seen and (min(seen) > 0 if freeze else max(seen) == 0)
+    assert out.engine["gc_collections"][2] >= len(seen) and out.engine["gc_s"] > 0
+    assert out.token_ids == generate(tiny_host, prompts, max_new_tokens=4, concurrency=2).token_ids
+
+
+def test_the_loop_leaves_a_callers_frozen_objects_frozen(tiny_host):
+    """Where the caller froze objects before (gc.freeze), the loop neither freezes more nor unfreezes theirs."""
+    import gc
+
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        generate(tiny_host, prompts_of(tiny_host), max_new_tokens=3, concurrency=2)
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()

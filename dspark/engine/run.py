@@ -31,7 +31,8 @@ def run_slots(host, prompts, *, drafter, verifier, K, limits, sampling, seeds, s
               "warmup_s": sum(r.warmup_s for r in runs), "stage_s": stage_s,
               "in_flight": [c for r in runs for c in r.in_flight], "widths": [w for r in runs for w in r.widths],
               "admissions": sum(r.admissions for r in runs), "admit_s": sum(r.admit_s for r in runs),
-              "wait_s": sum(r.wait_s for r in runs),
+              "wait_s": sum(r.wait_s for r in runs), "gc_s": sum(r.gc_s for r in runs),
+              "gc_collections": [sum(r.gc_collections[g] for r in runs) for g in range(3)],
               "drafted_rounds": sum(r.drafted for r in runs), "overlapped": all(r.overlapped for r in runs),
               "concurrency": concurrency or batch_size}
     return GenerationResult(token_ids=sink.outputs, finish_reasons=sink.reasons, log=sink.log, seconds=seconds,

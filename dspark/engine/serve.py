@@ -13,11 +13,17 @@ the CPU commits, retires and admits: before the wait for round r's copy where th
 (plain decoding, verify-all of a drafter whose width the CPU knows), right after it where the launch needs the
 longest length of the draft proposed at the end of round r (n-gram lengths, the threshold) or a lagged scheduler's
 bound; the copy is then non-blocking, into pinned memory. A draft gate then decides from the rounds before the last.
+
+Python's cyclic garbage collector (`quiet_gc`): the objects alive when the loop starts (the models, captured graphs,
+compiled code) are frozen for the loop, so that a collection inside it scans only what the loop allocates; the
+collections that still run, and their wall time, are counted in EngineStats.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +107,42 @@ class EngineStats:
     # the CPU's own work (launches, commits, admissions); where that exceeds the device's round, the CPU is the bound
     wait_s: float = 0.0
     overlapped: bool = False  # rounds launched before the last one was committed (overlap_allowed)
+    gc_s: float = 0.0  # wall seconds of Python's garbage collections during the loop (quiet_gc)
+    gc_collections: list[int] = field(default_factory=lambda: [0, 0, 0])  # of them, per generation collected
+
+
+#: whether `serve` freezes the objects alive at its start for its loop (quiet_gc); False for an A/B of the effect
+FREEZE_GC = True
+
+
+@contextmanager
+def quiet_gc(stats: EngineStats):
+    """Inside: the garbage collections counted and timed into `stats` (gc.callbacks) and, with FREEZE_GC, every
+    object alive at entry frozen (gc.freeze), unfrozen at exit. Yields a function that freezes what exists at that
+    moment too (for graphs captured inside the loop). why: a collection of the oldest generation scans every
+    tracked object, and after torch.compile and graph capture a process holds hundreds of thousands of them (a
+    full collection took 0.19 s with 0.4 M objects on the 2-core CPU machine; SGLang and vLLM freeze after capture for
+    the same reason), a pause that lands in whichever round triggers it. Where the caller froze objects
+    already (gc.get_freeze_count() > 0) nothing is frozen or unfrozen here: gc.unfreeze would release theirs too."""
+    started: list[float] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            stats.gc_s += time.perf_counter() - started.pop()
+            stats.gc_collections[info["generation"]] += 1
+
+    freeze = FREEZE_GC and gc.isenabled() and gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    gc.callbacks.append(watch)
+    try:
+        yield gc.freeze if freeze else (lambda: None)
+    finally:
+        gc.callbacks.remove(watch)
+        if freeze:
+            gc.unfreeze()
 
 
 #: devices where the loop launches each round before committing the last one on the CPU (`overlap_allowed`)
@@ -185,6 +227,14 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     if overlap:
         runner.slack = K + 1  # EagerRound's attention window: the CPU's cache lengths lag one round behind
     arriving: list[Arrivals] = []  # admitted requests whose first tokens the CPU has not read yet
+    with quiet_gc(stats) as freeze:
+        _loop(slots, runner, verifier, queue, sink, stats, arriving, K, overlap, freeze)
+    return stats
+
+
+def _loop(slots: Slots, runner, verifier, queue: deque, sink: Sink, stats: EngineStats, arriving: list,
+          K: int, overlap: str | None, freeze) -> None:
+    """serve's rounds until every request has stopped (its docstring and the module's say what one does)."""
     _fill(slots, queue, sink, stats, arriving)
     busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
     ahead = -1  # the longest length of the draft the last round proposed for this one (graphs.lookahead_allowed)
@@ -227,6 +277,9 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
             stats.rounds += 1
         pending = launched
         busy += time.perf_counter() - start
+        if runner.warmup_s + slots.prefill.warmup_s > stats.warmup_s:  # captured in this iteration: freeze that too
+            stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
+            freeze()
     # widths and prefill shapes are captured as they are first used
     stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
     stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
@@ -235,7 +288,6 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
         stats.stage_s = {k: v * stats.rounds / runner.timer.rounds for k, v in stats.stage_s.items()}
         captured = stats.warmup_s - captured
         stats.stage_s["bookkeeping"] = max(0.0, busy - captured - sum(stats.stage_s.values()))
-    return stats
 
 
 def _carried(packed: torch.Tensor, K: int, fresh: bool) -> tuple[int, int]:

@@ -56,6 +56,8 @@ def run_workload(host, prompts: list[list[int]], *, concurrency: int, drafter=No
         "graphs": out.engine["graphs"],
         "prefill_graphs": out.engine["prefill_graphs"],
         "admit_s": out.engine["admit_s"],
+        "gc_s": out.engine["gc_s"],  # Python's garbage collections inside the loop (dspark.engine.serve.quiet_gc)
+        "gc_collections": out.engine["gc_collections"],
         "warmup_s": out.engine["warmup_s"],
         "stage_s": out.engine["stage_s"],
         "overlapped": out.engine["overlapped"],  # rounds launched before the last one was committed (CUDA)
