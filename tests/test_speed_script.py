@@ -32,3 +32,21 @@ def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
             assert run["cpu_ms_per_round"] == pytest.approx(expected)
     out = capsys.readouterr().out
     assert "| plain | 2 |" in out and "| ngram (model-free) | 1 |" in out
+    # the garbage collections inside each timed loop, counted per generation (dspark.engine.serve.quiet_gc)
+    assert result["environment"]["gc_freeze"] == "on"
+    for runs in result["runs"].values():
+        for run in runs.values():
+            assert run["gc_ms"] >= 0 and len(run["gc_collections"]) == 3
+
+
+def test_gc_pause_script_runs_each_setting_in_its_own_process(tmp_path):
+    """benchmarks/gc_pause.py on the CPU: one row per (repeat, setting, decode), each from a fresh process."""
+    path = load_script("benchmarks/gc_pause.py").main(
+        ["--out-dir", str(tmp_path), "--host", "random:tiny-llama", "--compile", "off", "--new-tokens", "3",
+         "--repeats", "1"])
+    doc = json.loads(path.read_text())
+    assert sorted(r["freeze"] for r in doc["rows"]) == ["off", "on"]
+    for row in doc["rows"]:
+        assert row["gc_ms"] >= 0 and row["gen2"] >= 0 and row["objects"] > 0 and row["full_collect_ms"] > 0
+    assert doc["command"].startswith("python benchmarks/gc_pause.py") and doc["environment"]["torch"]
+    assert "| 0 | on | 3 |" in (tmp_path / "gc_pause.md").read_text()
