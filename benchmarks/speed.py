@@ -328,8 +328,8 @@ def table(r: dict) -> str:
     lines.append(f"| transformers generate(prompt_lookup_num_tokens) | 1 | {r['hf_prompt_lookup_tok_s']:.1f} "
                  f"| | | | | | | | | |")
     failed = r.get("hf_custom_generate_error")
-    lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | "
-                 f"{'failed: ' + failed if failed else format(r['hf_custom_generate_tok_s'], '.1f')} | | | | | | | | | |")
+    custom = "failed: " + failed if failed else format(r["hf_custom_generate_tok_s"], ".1f")
+    lines.append(f"| transformers custom_generate=dspark.hf.speculative('ngram') | 1 | {custom} | | | | | | | | | |")
     for name, rs in r["runs"].items():
         for C, x in rs.items():
             plain = r["runs"]["plain"].get(C, {}).get("tok_s")  # plain variants too: the overlap's, compile's gain
@@ -342,8 +342,8 @@ def table(r: dict) -> str:
             ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""
             conversion = f"{x['tok_s'] / plain / x['tau']:.2f}" if plain and not name.startswith("plain") else ""
             lines.append(f"| {name}{' (' + x['drafter'] + ')' if 'drafter' in x else ''} | {C} | {x['tok_s']:.1f} | "
-                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {cpu} | {gc_ms} | {x['graphs']} | {x['warmup_s']:.2f} | "
-                         f"{x['in_flight_fraction_until_dry']:.3f} |")
+                         f"{x['tau']:.2f} | {ratio} | {conversion} | {split} | {cpu} | {gc_ms} | {x['graphs']} | "
+                         f"{x['warmup_s']:.2f} | {x['in_flight_fraction_until_dry']:.3f} |")
     if "llama8b_step_ms" in r:
         layers = "compiled" if r["environment"].get("compile", "off") != "off" else "eager"
         lines.append(f"\nrandom llama-8b, C = 1, {layers} layers: plain step {r['llama8b_step_ms']:.2f} ms "
