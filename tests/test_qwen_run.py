@@ -6,6 +6,7 @@ a `background` driver holds later phases back until it ends.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -55,7 +56,8 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     recorded.write_text(json.dumps({"eval": {"eagle3_sharegpt_T0": _summary(2.0, [8, 6, 4], [4, 3, 2])},
                                     "train": {"eagle3": {"steps": 1000}}, "sessions": [{"date": "earlier"}],
                                     "speed": {"eagle3": {"1": {"tokens_per_s": 90.0, "ratio": 0.9}}}}))
-    (recorded.parent / "metrics_eagle3.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
+    with gzip.open(recorded.parent / "metrics_eagle3.jsonl.gz", "wt") as fh:  # recorded curves are committed gzipped
+        fh.write(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
     module = _driver(tmp_path, monkeypatch, RECORDED=str(recorded), ONLY="dspark")
     (module.RUN / "eval").mkdir()
     (module.RUN / "eval" / "dspark_sharegpt_T0.json").write_text(json.dumps(_summary(3.0, [9, 9, 6], [3, 3, 2])))
@@ -83,7 +85,7 @@ def test_collect_merges_an_earlier_session(tmp_path, monkeypatch):
     assert [s.get("date") for s in report["sessions"]][0] == "earlier" and len(report["sessions"]) == 2
     assert sorted(report["missing"]) == sorted(set(KEYS) - set(report["tau"]))
     assert "| dspark | 3.000 (2.900–3.100) | — | — | — |" in (module.OUT / "results.md").read_text()
-    assert (module.OUT / "training_curves.png").exists()  # from the recorded metrics_eagle3.jsonl
+    assert (module.OUT / "training_curves.png").exists()  # from the recorded metrics_eagle3.jsonl.gz
 
 
 def test_render_pairs_each_trained_drafter_once_and_adds_no_session(tmp_path, monkeypatch):

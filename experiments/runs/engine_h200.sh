@@ -162,7 +162,7 @@ case "$phase" in
       unset warm
     fi
     for d in /tmp/dspark-run/*/metrics.jsonl; do
-      cp "$d" "$OUT/train_metrics_$(basename "$(dirname "$d")").jsonl"
+      gzip -c "$d" > "$OUT/train_metrics_$(basename "$(dirname "$d")").jsonl.gz"  # committed gzipped
     done ;;
   profile)  # where a round's time goes: kernels per stage, eager vs compiled (random host, random drafters)
     python3 benchmarks/round_profile.py --host "${PROFILE_HOST:-random:smollm2}" \

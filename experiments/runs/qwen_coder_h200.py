@@ -95,7 +95,8 @@ Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one p
 (starting a helper agent): do nothing slow between calls; read logs inside the calls. Measured there: the 0.5B's
 four evaluations 70 s and its draft cost 6 s beside DFlash's training, DFlash 0.35 s a step at BATCH=2, 41 staging
 calls ~3.5 s each; session 3: the 0.5B's conversion and `speed` for n-gram and the small LM 130 s.
-Commit each session's results.json / results.md / metrics_*.jsonl / training_curves.png here (collect merges them).
+Commit each session's results.json / results.md / metrics_*.jsonl.gz / training_curves.png here (collect merges
+them).
 
 Doubtful: the prompt mix's coding / general split is a keyword regex.
 """
@@ -408,8 +409,8 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
 
 def collect() -> None:
     """Merge this run with RECORDED (earlier sessions) into OUT: results.json, results.md, training_curves.png,
-    metrics_<drafter>.jsonl, details_session<N>.tar.gz and, when regenerated here, the regeneration (gzip): 8 files
-    at most."""
+    metrics_<drafter>.jsonl.gz, details_session<N>.tar.gz and, when regenerated here, the regeneration (gzip): 8
+    files at most."""
     import gzip
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -423,13 +424,15 @@ def collect() -> None:
     report = results(evals, train, previous.get("sessions", []) + [base._environment()], draft_ms(previous),
                      speeds(previous))
     _write(OUT, report)
-    curves = {n: Path(RECORDED).parent / f"metrics_{n}.jsonl" for n in TAU_DRAFTERS[:3]} if RECORDED else {}
+    curves = ({n: base.recorded_curve(Path(RECORDED).parent, f"metrics_{n}") for n in TAU_DRAFTERS[:3]}
+              if RECORDED else {})
     curves = {n: p for n, p in curves.items() if p.is_file()}
     curves.update({n: RUN / n / "metrics.jsonl" for n in trained_here})
     if curves:
         base._curves(OUT / "training_curves.png", curves)
-    for name in trained_here:
-        shutil.copy(RUN / name / "metrics.jsonl", OUT / f"metrics_{name}.jsonl")
+    for name in trained_here:  # gzipped, as the recorded curves are committed (a tenth of the bytes)
+        with open(RUN / name / "metrics.jsonl", "rb") as src, gzip.open(OUT / f"metrics_{name}.jsonl.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
     done = base.DATA.with_suffix(".done")
     if done.exists() and not done.read_text().startswith("copied"):  # regenerated in this session: bring it back
         with open(base.DATA, "rb") as src, gzip.open(OUT / f"{REGEN_NAME}.gz", "wb") as dst:
