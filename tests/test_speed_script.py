@@ -17,7 +17,7 @@ def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
     assert script.main(["--device", "cpu", "--host", "random:tiny-llama", "--concurrency", "1", "2",
                         "--spec-concurrency", "1", "2", "--drafters", "ngram", "--skip-llama8b",
                         "--max-new-tokens", "6", "--max-prompts", "4", "--compile", "off", "--overlap", "on",
-                        "--out-dir", str(tmp_path)]) == 0
+                        "--repeats", "3", "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "speed.json").read_text())
     assert result["hf_generate_tok_s"] > 0
     assert set(result["plain_tok_s"]) == {"1", "2"} and all(v > 0 for v in result["plain_tok_s"].values())
@@ -37,6 +37,8 @@ def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
     for runs in result["runs"].values():
         for run in runs.values():
             assert run["gc_ms"] >= 0 and len(run["gc_collections"]) == 3
+            # three timed decodes, the row the median one by tokens/s
+            assert len(run["tok_s_repeats"]) == 3 and run["tok_s"] == sorted(run["tok_s_repeats"])[1]
 
 
 def test_gc_pause_script_runs_each_setting_in_its_own_process(tmp_path):
