@@ -83,8 +83,8 @@ def hf_tok_s(host, ids: list[list[int]], **kwargs) -> float:
 def engine_run(host, ids, C: int, drafter=None, K: int = 7, overlap: bool | None = None) -> dict:
     """One row: a warm-up decode, then REPEATS timed decodes of `ids`; the row is the median one by tokens/s (its
     stage split, CPU split and warm-up), with every repeat's tokens/s in tok_s_repeats. why a median: a timed decode
-    lasts 0.4-1.5 s, and one pause (a garbage collection, another process) moved a single-decode row by 40 % on the
-    H100 (RESULTS, 2026-12-06 eighth session)."""
+    lasts 0.4-1.5 s, and with one decode a row the H100 run of 2026-12-06 (eighth session, RESULTS) had a plain row
+    40 % below its in-order twin, cause unmeasured."""
     kw = dict(drafter=drafter, draft_length=K, concurrency=C, overlap=OVERLAP if overlap is None else overlap)
     generate(host, ids[:C], max_new_tokens=8, **kw)  # warm-up
     sync()

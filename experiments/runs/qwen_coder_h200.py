@@ -430,7 +430,7 @@ def collect() -> None:
     curves.update({n: RUN / n / "metrics.jsonl" for n in trained_here})
     if curves:
         base._curves(OUT / "training_curves.png", curves)
-    for name in trained_here:  # gzipped, as the recorded curves are committed (a tenth of the bytes)
+    for name in trained_here:  # gzipped, as the recorded curves are committed (~30 % of the bytes)
         with open(RUN / name / "metrics.jsonl", "rb") as src, gzip.open(OUT / f"metrics_{name}.jsonl.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
     done = base.DATA.with_suffix(".done")
