@@ -12,9 +12,10 @@
 #   PHASE=train bash experiments/runs/engine_h200.sh        # a short DSpark + EAGLE-3 training for the speed rows
 #   PHASE=profile bash experiments/runs/engine_h200.sh      # round_profile.json: kernels and ms per round stage
 #   PHASE=pack-cache bash experiments/runs/engine_h200.sh   # inductor's cache in pieces, to stage next session
+#   PHASE=gcpause bash experiments/runs/engine_h200.sh      # gc_pause/: the loop's garbage collections, frozen or not
 #
-# tests, profile and sps8b need no staging (random hosts): PHASE="tests profile" is a good first call of a fresh
-# machine.
+# tests, profile, gcpause and sps8b need no staging (random hosts): PHASE="tests profile" is a good first call of a
+# fresh machine.
 #
 # sps8b (issue 22, item 6): the random llama-8b host's verify steps, replayed as CUDA graphs, bf16, at 1..512
 # requests x 1, 2, 4, 8 tokens, with an 8B-shaped DSpark drafter's own propose / observe cost (random weights: a
@@ -179,12 +180,16 @@ case "$phase" in
     if [ "$size" -le "${PACK_MAX_MIB:-60}" ]; then
       split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz.part-"
     fi ;;
+  gcpause)  # benchmarks/gc_pause.py: each setting (freeze on / off) in its own process, GC_REPEATS (default 1) each
+    python3 benchmarks/gc_pause.py --host "${PROFILE_HOST:-random:smollm2}" --repeats "${GC_REPEATS:-1}" \
+      --out-dir "$OUT/gc_pause" ;;
   sps8b)
     python3 -m dspark profile --host "${HOST8B:-random:llama-8b}" --dtype bfloat16 --mode "${SPS_MODE:-graph}" \
       --batch-sizes 1 2 4 8 16 32 64 128 256 512 --tokens-per-request 1 2 4 8 --drafter dspark --draft-lengths 3 7 \
       --out "$OUT/cost_llama8b.json" ;;
   *)
-    echo "unknown phase $phase (tests, profile, speed, llama8b, validate, concurrency, sps8b, train, pack-cache)" >&2
+    echo "unknown phase $phase (tests, profile, speed, llama8b, validate, concurrency, sps8b, train, pack-cache," \
+      "gcpause)" >&2
     exit 2 ;;
 esac
 done
