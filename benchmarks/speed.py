@@ -81,12 +81,17 @@ def hf_tok_s(host, ids: list[list[int]], **kwargs) -> float:
 
 
 def engine_run(host, ids, C: int, drafter=None, K: int = 7, overlap: bool | None = None) -> dict:
-    """One row: a warm-up decode, then REPEATS timed decodes of `ids`; the row is the median one by tokens/s (its
-    stage split, CPU split and warm-up), with every repeat's tokens/s in tok_s_repeats. why a median: a timed decode
-    lasts 0.4-1.5 s, and with one decode a row the H100 run of 2026-12-06 (eighth session, RESULTS) had a plain row
-    40 % below its in-order twin, cause unmeasured."""
+    """One row: a warm-up decode (every distinct prompt), then REPEATS timed decodes of `ids`; the row is the median
+    one by tokens/s (its stage split, CPU split and warm-up), with every repeat's tokens/s in tok_s_repeats. why a
+    median: a timed decode lasts 0.4-1.5 s, and with one decode a row the H100 run of 2026-12-06 (eighth session,
+    RESULTS) had a plain row 40 % below its in-order twin, cause unmeasured."""
     kw = dict(drafter=drafter, draft_length=K, concurrency=C, overlap=OVERLAP if overlap is None else overlap)
-    generate(host, ids[:C], max_new_tokens=8, **kw)  # warm-up
+    # warm-up: C requests, then every other distinct prompt of the row, so that each prompt's shapes (prefill
+    # buckets, a drafter's eager admission) have run once before the timing; with ids[:C] alone a row at C = 1 met
+    # five of its six prompts first in the timed decodes (changed 2026-12-06, eighth session, after EAGLE-3's
+    # admissions were seen to cost 19 ms each at C = 1 against 3 ms for DSpark's: RESULTS)
+    warm = list(ids[:C]) + [p for p in {tuple(p): list(p) for p in ids}.values() if p not in ids[:C]]
+    generate(host, warm, max_new_tokens=8, **kw)
     sync()
     outs = []
     for _ in range(REPEATS):
