@@ -81,8 +81,11 @@ def main(argv: list[str] | None = None) -> Path | None:
     rows = []
     for repeat in range(args.repeats):
         for setting in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
-            done = subprocess.run([sys.executable, __file__, *own, "--child", setting], check=True,
-                                  capture_output=True, text=True, cwd=ROOT)
+            done = subprocess.run([sys.executable, __file__, *own, "--child", setting], capture_output=True,
+                                  text=True, cwd=ROOT)
+            if done.returncode != 0:
+                raise SystemExit(f"the --child {setting} process failed (exit {done.returncode}):\n"
+                                 f"{done.stderr[-3000:]}")
             for row in json.loads(done.stdout.strip().splitlines()[-1]):
                 rows.append({"repeat": repeat, **row})
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
