@@ -633,14 +633,15 @@ def test_the_loop_freezes_what_lived_before_it_and_counts_its_garbage_collection
 
     def callback(i, ids):
         seen.append(gc.get_freeze_count())
-        gc.collect()  # a full collection inside the loop, as a threshold would trigger
+        if len(seen) <= 2:  # a full collection inside the loop, as a threshold would trigger (two: unfrozen, each
+            gc.collect()  # scans every object of the test process)
         return False
 
     assert gc.get_freeze_count() == 0
     out = generate(tiny_host, prompts, max_new_tokens=4, concurrency=2, on_tokens=callback)
     assert gc.get_freeze_count() == 0  # released
     assert seen and (min(seen) > 0 if freeze else max(seen) == 0)
-    assert out.engine["gc_collections"][2] >= len(seen) and out.engine["gc_s"] > 0
+    assert out.engine["gc_collections"][2] >= 2 and out.engine["gc_s"] > 0
     assert out.token_ids == generate(tiny_host, prompts, max_new_tokens=4, concurrency=2).token_ids
 
 
