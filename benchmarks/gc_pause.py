@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> Path | None:
         return None
     if args.out_dir is None:
         parser.error("--out-dir is required")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     own = ["--host", args.host, "--device", args.device, "--compile", args.compile, "--new-tokens",
            *map(str, args.new_tokens)]
     rows = []
