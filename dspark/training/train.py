@@ -35,6 +35,7 @@ training_curve.png.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
@@ -471,11 +472,15 @@ def log_metrics(record: dict, *, accelerator: Accelerator, metrics_file: Path) -
 
 
 def read_metrics(metrics_file: Path) -> list[dict]:
-    """Records of metrics.jsonl; a last line cut by a kill is dropped."""
+    """Records of metrics.jsonl, or of its gzip (.jsonl.gz: how recorded curves are committed); a last line cut by a
+    kill is dropped."""
+    metrics_file = Path(metrics_file)
     if not metrics_file.exists():
         return []
+    raw = metrics_file.read_bytes()
+    text = (gzip.decompress(raw) if metrics_file.suffix == ".gz" else raw).decode()
     records = []
-    for line in metrics_file.read_text().splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

@@ -424,8 +424,8 @@ def collect() -> None:
     report = results(evals, train, previous.get("sessions", []) + [base._environment()], draft_ms(previous),
                      speeds(previous))
     _write(OUT, report)
-    curves = ({n: base.recorded_curve(Path(RECORDED).parent, f"metrics_{n}") for n in TAU_DRAFTERS[:3]}
-              if RECORDED else {})
+    # the recorded curves, committed gzipped as this function writes them
+    curves = {n: Path(RECORDED).parent / f"metrics_{n}.jsonl.gz" for n in TAU_DRAFTERS[:3]} if RECORDED else {}
     curves = {n: p for n, p in curves.items() if p.is_file()}
     curves.update({n: RUN / n / "metrics.jsonl" for n in trained_here})
     if curves:

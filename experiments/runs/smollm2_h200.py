@@ -28,7 +28,6 @@ minutes on a CPU).
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import platform
@@ -445,29 +444,19 @@ def _median_stages(timed: list[dict]) -> dict | None:
     return {k: sorted(t[k] for t in timed)[len(timed) // 2] for k in timed[0]}
 
 
-def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl, or of its gzip (.jsonl.gz: how the recorded curves are committed)."""
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as fh:
-        return [json.loads(line) for line in fh]
-
-
-def recorded_curve(folder: Path, stem: str) -> Path:
-    """FOLDER/STEM.jsonl.gz where the recorded curve is committed gzipped, else FOLDER/STEM.jsonl."""
-    gz = folder / f"{stem}.jsonl.gz"
-    return gz if gz.is_file() else folder / f"{stem}.jsonl"
-
-
 def _curves(path: Path, sources: dict[str, Path] | None = None) -> None:
     """Loss and held-out tau per drafter, from `sources` (drafter -> metrics.jsonl or .jsonl.gz; default
     RUN/<drafter>/)."""
     from matplotlib.figure import Figure
+
+    from dspark.training.train import read_metrics
 
     if sources is None:
         sources = {n: RUN / n / "metrics.jsonl" for n in DRAFTERS if (RUN / n / "metrics.jsonl").exists()}
     fig = Figure(figsize=(11, 3.6), layout="constrained")
     ax_loss, ax_tau = fig.subplots(1, 2)
     for name, source in sources.items():
-        records = read_records(source)
+        records = read_metrics(source)
         train = [r for r in records if r.get("kind") == "train" and "loss" in r]
         evals = [r for r in records if r.get("kind") == "eval"]
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label=name, lw=1)
