@@ -121,6 +121,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     config_class = DSparkConfig
     slot_state = ("cache",)
     capturable = True
+    admit_capturable = True
     observe_batched = True  # observe projects each position's features into the cache on their own (write_context)
 
     def __init__(self, host, config: DSparkConfig | None = None) -> None:

@@ -147,6 +147,7 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
     config_class = Eagle3Config
     slot_state = ("cache", "last_hidden")
     capturable = True
+    admit_capturable = True
     # observe runs the layer over its positions in order within one call (each attends the cache up to its own
     # position, the keys written first), so a backlog of plain rounds observed at once is the per-round observes in
     # one forward. why: a gated EAGLE-3 otherwise runs its layer every plain round (the scheduled EAGLE-3 rows of

@@ -50,6 +50,7 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
     name = "mtp"
     slot_state = ("cache", "last")
     capturable = True
+    admit_capturable = True
 
     def __init__(self, host, config: MTPConfig | None = None) -> None:
         super().__init__()

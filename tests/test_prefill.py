@@ -1,6 +1,7 @@
 """Prefill of arrivals (dspark.engine.prefill): the graph path's buffers and padding, run here without capture
-("static" mode), give what a fresh cache and the step as called give; decoding through it gives every request the
-eager loop's tokens. The captured replay itself is checked on a GPU (tests/test_engine_cuda.py)."""
+("static" mode), give what a fresh cache and the step as called give, for the host's prefill and the drafter's part
+of an admission (DrafterPrefill); decoding through them gives every request the eager loop's tokens. The captured
+replay itself is checked on a GPU (tests/test_engine_cuda.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,11 @@ import torch
 
 import dspark.engine.prefill as prefill_module
 import dspark.engine.serve as serve_module
-from dspark.engine.prefill import GRAPH_ROWS, Prefill
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.prefill import GRAPH_ROWS, DrafterPrefill, Prefill
+from dspark.engine.protocol import DraftState
 from tests.conftest import random_prompts
-from tests.test_engine import GREEDY, T1, check_against_solo
+from tests.test_engine import GREEDY, T1, check_against_solo, drafter_of
 
 
 def _prompts(host, n: int, P: int = 64):
@@ -47,10 +50,72 @@ def test_many_arrivals_or_long_prompts_run_as_called(tiny_host):
 @pytest.mark.parametrize("drafter_name", ["none", "dspark-trained", "eagle3", "small-lm", "ngram"])
 def test_decoding_through_static_prefill_equals_solo_eager(tiny_host, drafter_name, monkeypatch):
     monkeypatch.setattr(serve_module, "prefill_mode", lambda graphs: "static")
-    prepared = []
+    prepared, drafter_prepared = [], []
     real = prefill_module.Prefill._prepare
     monkeypatch.setattr(prefill_module.Prefill, "_prepare", lambda self, N, P: prepared.append(N) or real(self, N, P))
+    real_drafter = prefill_module.DrafterPrefill._prepare
+    monkeypatch.setattr(prefill_module.DrafterPrefill, "_prepare",
+                        lambda self, N, *a: drafter_prepared.append(N) or real_drafter(self, N, *a))
     for sampling in (GREEDY, T1):
         got = check_against_solo(tiny_host, drafter_name, "full", sampling, 3, lambda x: x[::-1])
         assert got.engine["prefill_graphs"] == 0
     assert prepared  # the static path ran
+    # and the drafter's admission took its static path where the drafter allows it (not small-LM: its prefill
+    # sizes its step by the prompts; none, n-gram: no state)
+    assert bool(drafter_prepared) == (drafter_name in ("dspark-trained", "eagle3"))
+
+
+def _state_tensors(state):
+    return (state.k, state.v, state.lengths) if isinstance(state, KVCache) else (state,)
+
+
+@pytest.mark.parametrize("drafter_name", ["dspark-trained", "eagle3", "mtp"])
+def test_static_drafter_prefill_equals_as_called(tiny_host, drafter_name):
+    """The drafter's state rows after an admission on zeroed scratch rows (padded to N) equal begin + observe +
+    prefill on the arrivals alone, for arrivals of 3 (128-wide), 1, then 3 again 64-wide (scratch rows shared
+    by the shapes: the 128-wide admission's keys past 64 must not survive into the 64-wide one's rows)."""
+    drafter = drafter_of(drafter_name, tiny_host)
+    max_len = 192
+    host_prefill = Prefill(tiny_host, max_len=max_len, taps=drafter.feature_layers, mode="eager")
+    drafter.begin(host=tiny_host, batch_size=4, max_len=max_len)  # the slots' own state, never touched here
+    slots_state = [t.clone() for name in drafter.slot_state for t in _state_tensors(getattr(drafter, name))]
+    eager = DrafterPrefill(drafter, tiny_host, max_len=max_len, mode="eager")
+    static = DrafterPrefill(drafter, tiny_host, max_len=max_len, mode="static")
+    assert static.mode == "static" and eager.mode == "eager"
+    for n, P in ((3, 128), (1, 64), (3, 64)):
+        tokens, plen = _prompts(tiny_host, n, P)
+        _, hidden, features = host_prefill(tokens, plen)
+        seq = torch.zeros(n, max_len, dtype=torch.long)
+        seq[:, : tokens.shape[1]] = tokens
+        seq.scatter_(1, plen.unsqueeze(1), torch.full((n, 1), 7))  # a first new token after each prompt
+        parts = []
+        for run in (eager, static):
+            sub = DraftState(seq=seq.clone(), seq_len=plen + 1, seeds=torch.arange(n), rounds=torch.zeros_like(plen),
+                             sampling=GREEDY)
+            parts.append({name: [t.clone() for t in _state_tensors(part)]
+                          for name, part in run(features, plen, sub).items()})
+        assert parts[0].keys() == parts[1].keys() == set(drafter.slot_state)
+        for name in drafter.slot_state:
+            for want, got in zip(parts[0][name], parts[1][name]):
+                assert got.shape == want.shape
+                torch.testing.assert_close(got, want, msg=f"{drafter_name}.{name}, {n} arrivals")
+    assert sorted(static.shapes) == [(1, 64), (4, 64), (4, 128)] and static.graphs == 0 and not eager.shapes
+    after = [t for name in drafter.slot_state for t in _state_tensors(getattr(drafter, name))]
+    assert all(torch.equal(a, b) for a, b in zip(after, slots_state))  # the drafter's own state put back
+
+
+def test_drafter_prefill_refuses_nonzero_begin_state(tiny_host, monkeypatch):
+    drafter = drafter_of("eagle3", tiny_host)
+    drafter.begin(host=tiny_host, batch_size=2, max_len=96)
+    real = type(drafter).begin
+
+    def begin(self, **kw):
+        real(self, **kw)
+        self.last_hidden.fill_(1.0)
+
+    monkeypatch.setattr(type(drafter), "begin", begin)
+    with pytest.raises(ValueError, match=r"begin\(\) state is not all zeros"):
+        DrafterPrefill(drafter, tiny_host, max_len=96, mode="static")
+    assert DrafterPrefill(drafter, tiny_host, max_len=96, mode="eager").mode == "eager"  # as called: no check
+    with pytest.raises(ValueError, match="prefill mode"):
+        DrafterPrefill(drafter, tiny_host, max_len=96, mode="fast")

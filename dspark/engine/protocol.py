@@ -116,6 +116,11 @@ class Drafter:
     #: False when propose/observe must not be compiled whole (dspark.engine.compiled.drafter_fn) though capturable:
     #: the small-LM drafter, whose steps are a Host's, already compiled piece by piece when the host is
     compile_whole: bool = True
+    #: True when begin's state is all zeros and observe + prefill of an admission's prompts are tensor-only at the
+    #: shapes given (no host syncs, no Python branching on values, state updated in place): the slot engine then
+    #: runs a drafter's admission on scratch rows per arrival shape, replayed as a CUDA graph
+    #: (dspark.engine.prefill.DrafterPrefill). Not the small-LM drafter, whose prefill sizes its step by the prompts
+    admit_capturable: bool = False
     #: host layers whose raw outputs this drafter consumes (concatenated in this order); () = none
     feature_layers: tuple[int, ...] = ()
     #: True when observe writes each position from its own features alone (no state carried from one position to

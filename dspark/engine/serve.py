@@ -236,7 +236,7 @@ def _loop(slots: Slots, runner, verifier, queue: deque, sink: Sink, stats: Engin
           K: int, overlap: str | None, freeze) -> None:
     """serve's rounds until every request has stopped (its docstring and the module's say what one does)."""
     _fill(slots, queue, sink, stats, arriving)
-    busy, captured = 0.0, runner.warmup_s + slots.prefill.warmup_s  # capture inside the loop is not bookkeeping
+    busy, captured = 0.0, runner.warmup_s + slots.prefill_warmup_s()  # capture inside the loop is not bookkeeping
     ahead = -1  # the longest length of the draft the last round proposed for this one (graphs.lookahead_allowed)
     fresh = True  # requests arrived since the last launch: the next round proposes afresh (they have no draft)
     pending: Launched | None = None  # a launched round the CPU has not committed yet
@@ -277,12 +277,12 @@ def _loop(slots: Slots, runner, verifier, queue: deque, sink: Sink, stats: Engin
             stats.rounds += 1
         pending = launched
         busy += time.perf_counter() - start
-        if runner.warmup_s + slots.prefill.warmup_s > stats.warmup_s:  # captured in this iteration: freeze that too
-            stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
+        if runner.warmup_s + slots.prefill_warmup_s() > stats.warmup_s:  # captured in this iteration: freeze that too
+            stats.warmup_s = runner.warmup_s + slots.prefill_warmup_s()
             freeze()
     # widths and prefill shapes are captured as they are first used
-    stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill.graphs, slots.prefill.graphs
-    stats.warmup_s = runner.warmup_s + slots.prefill.warmup_s
+    stats.graphs, stats.prefill_graphs = runner.graphs + slots.prefill_graphs(), slots.prefill_graphs()
+    stats.warmup_s = runner.warmup_s + slots.prefill_warmup_s()
     stats.stage_s = runner.timer.seconds()
     if stats.stage_s and runner.timer.rounds:  # the timed rounds' mean over every round (captures left out)
         stats.stage_s = {k: v * stats.rounds / runner.timer.rounds for k, v in stats.stage_s.items()}
@@ -315,11 +315,11 @@ def _fill(slots: Slots, queue: deque, sink: Sink, stats: EngineStats, arriving: 
     while queue and slots.free():
         free = slots.free()[: len(queue)]
         requests = [queue.popleft() for _ in free]
-        start, captured = time.perf_counter(), slots.prefill.warmup_s
+        start, captured = time.perf_counter(), slots.prefill_warmup_s()
         first = slots.admit(free, requests)
         stats.admissions += 1
         admitted += len(requests)
-        start += slots.prefill.warmup_s - captured  # a prefill shape's first capture is warm-up, not latency
+        start += slots.prefill_warmup_s() - captured  # a prefill shape's first capture is warm-up, not latency
         arriving.append(Arrivals(HostCopy(first), free, requests, start))
         stats.admit_s += time.perf_counter() - start
         if any(r.limit <= 1 for r in requests):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.kv_cache import KVCache
-from dspark.engine.prefill import Prefill
+from dspark.engine.prefill import DrafterPrefill, Prefill
 from dspark.engine.sampling import STREAM_SAMPLE, SamplingConfig, argmax, process, sample
 from dspark.engine.protocol import DraftState, Drafter
 
@@ -81,6 +81,7 @@ class Slots:
         self.cache = host.new_cache(C, max_len)
         self.prefill = Prefill(host, max_len=max_len, taps=drafter.feature_layers, mode=prefill)
         drafter.begin(host=host, batch_size=C, max_len=max_len)
+        self.drafter_prefill = DrafterPrefill(drafter, host, max_len=max_len, mode=prefill)  # after begin: borrows it
         verifier.begin(batch_size=C)
         # the CPU side: which request each slot holds (None = free), and mirrors that need no device read
         self.request: list[Request | None] = [None] * C
@@ -99,6 +100,13 @@ class Slots:
         device = self.state.seq.device
         self.backlog = torch.zeros(self.capacity, rows, F, dtype=self.host.dtype, device=device)
         self.backlog_n = torch.zeros(self.capacity, dtype=torch.long, device=device)
+
+    def prefill_warmup_s(self) -> float:
+        """Seconds spent capturing (or preparing) admission shapes: the host's prefill and the drafter's part."""
+        return self.prefill.warmup_s + self.drafter_prefill.warmup_s
+
+    def prefill_graphs(self) -> int:
+        return self.prefill.graphs + self.drafter_prefill.graphs
 
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.request) if r is None]
@@ -148,18 +156,10 @@ class Slots:
         return torch.stack([first, finite.long()], 1)
 
     def _admit_drafter(self, rows: torch.Tensor, features, plen: torch.Tensor, sub: DraftState) -> None:
-        """The drafter's begin/observe/prefill on the arrivals alone, then their rows written into the slots' state."""
-        drafter, n = self.drafter, len(rows)
-        full = {name: getattr(drafter, name) for name in drafter.slot_state}
-        try:
-            drafter.begin(host=self.host, batch_size=n, max_len=self.max_len)
-            drafter.observe(features=features, start=torch.zeros_like(plen), n_valid=plen, state=sub)
-            drafter.prefill(state=sub)
-            for name, tensor in full.items():
-                put_rows(tensor, rows, getattr(drafter, name))
-        finally:
-            for name, tensor in full.items():
-                setattr(drafter, name, tensor)  # the very objects a captured round reads
+        """The drafter's begin/observe/prefill on the arrivals alone (DrafterPrefill), then their rows written into
+        the slots' state."""
+        for name, part in self.drafter_prefill(features, plen, sub).items():
+            put_rows(getattr(self.drafter, name), rows, part)
 
     def retire(self, slots: list[int]) -> list[Request]:
         """Free `slots`; their state stays as it was (frozen: idle slots commit nothing)."""
