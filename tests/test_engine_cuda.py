@@ -45,8 +45,12 @@ def test_graph_rounds_equal_eager_solo(cuda_host, name, sampling, tmp_path):
     used = set(got.engine["widths"])  # verify widths (L + 1) the rounds ran at, each captured on first use
     # verify-all is capturable: the propose stage is captured too (plain decoding has none to capture)
     whole = drafter is not None and drafter.capturable
-    prefills = got.engine["prefill_graphs"]  # one per (arrivals, prompt width) shape: 6 arrivals, 1 or 2 at a time
-    assert 1 <= prefills <= 4 and got.engine["graphs"] == 2 * len(used) + whole + prefills and got.batches > 1
+    # one per (arrivals, prompt width) shape (6 arrivals, 1 or 2 at a time), and as many of the drafter's admission
+    # where it is captured too (dspark.engine.prefill.DrafterPrefill)
+    prefills = got.engine["prefill_graphs"]
+    per_shape = 2 if getattr(drafter, "admit_capturable", False) else 1
+    assert prefills % per_shape == 0 and 1 <= prefills // per_shape <= 4
+    assert got.engine["graphs"] == 2 * len(used) + whole + prefills and got.batches > 1
     if name in ("mtp", "ngram"):  # proposals shorter than K: narrower forwards than K + 1
         assert min(used) < K + 1
     # each round launched before the last one was committed (serve.overlap_allowed; n-gram: once its copy is read)
@@ -179,7 +183,7 @@ def test_lookahead_on_a_smollm2_sized_host_keeps_the_packed_output(tmp_path, mon
     # near-ties between the two paths' roundings; this random 30-layer host's nearly flat logits could have some)
 
 
-@pytest.mark.parametrize("name", ["none", "dspark", "ngram"])
+@pytest.mark.parametrize("name", ["none", "dspark", "eagle3", "mtp", "ngram"])
 def test_admission_and_retirement_wait_on_nothing_the_device_runs(cuda_host, name, tmp_path):
     """Admitting requests (their prefill, first tokens, the drafter's admission) and retiring them queue work
     behind whatever the stream is running without waiting for it (serve's overlap: a round launched before them
@@ -209,6 +213,15 @@ def test_admission_and_retirement_wait_on_nothing_the_device_runs(cuda_host, nam
     expected = alone.admit([0, 1], requests[:2])
     assert first.cpu().tolist() == expected.cpu().tolist()
     assert first[:, 1].all()  # finite prefill logits
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3", "mtp"])
+def test_captured_drafter_admission_equals_as_called(cuda_host, name, tmp_path):
+    """The drafter's admission replayed as a CUDA graph per arrival shape (dspark.engine.prefill.DrafterPrefill)
+    leaves the state rows that begin + observe + prefill as called leave."""
+    from tests.test_prefill import check_drafter_prefill
+
+    check_drafter_prefill(cuda_host, build_any(name, cuda_host, tmp_path).to("cuda"), "graph")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -69,39 +69,44 @@ def _state_tensors(state):
     return (state.k, state.v, state.lengths) if isinstance(state, KVCache) else (state,)
 
 
-@pytest.mark.parametrize("drafter_name", ["dspark-trained", "eagle3", "mtp"])
-def test_static_drafter_prefill_equals_as_called(tiny_host, drafter_name):
-    """The drafter's state rows after an admission on zeroed scratch rows (padded to N) equal begin + observe +
-    prefill on the arrivals alone, for arrivals of 3 (128-wide), 1, then 3 again 64-wide (scratch rows shared
-    by the shapes: the 128-wide admission's keys past 64 must not survive into the 64-wide one's rows)."""
-    drafter = drafter_of(drafter_name, tiny_host)
-    max_len = 192
-    host_prefill = Prefill(tiny_host, max_len=max_len, taps=drafter.feature_layers, mode="eager")
-    drafter.begin(host=tiny_host, batch_size=4, max_len=max_len)  # the slots' own state, never touched here
+def check_drafter_prefill(host, drafter, mode: str) -> None:
+    """The drafter's state rows after an admission on zeroed scratch rows (padded to N; `mode` "static" or, on a
+    GPU, "graph") equal begin + observe + prefill on the arrivals alone, for arrivals of 3 (128-wide), 1, then 3
+    again 64-wide (scratch rows shared by the shapes: the 128-wide admission's keys past 64 must not survive into
+    the 64-wide one's rows); the drafter's own state is put back."""
+    max_len, device = 192, host.device
+    host_prefill = Prefill(host, max_len=max_len, taps=drafter.feature_layers, mode="eager")
+    drafter.begin(host=host, batch_size=4, max_len=max_len)  # the slots' own state, never touched here
     slots_state = [t.clone() for name in drafter.slot_state for t in _state_tensors(getattr(drafter, name))]
-    eager = DrafterPrefill(drafter, tiny_host, max_len=max_len, mode="eager")
-    static = DrafterPrefill(drafter, tiny_host, max_len=max_len, mode="static")
-    assert static.mode == "static" and eager.mode == "eager"
+    eager = DrafterPrefill(drafter, host, max_len=max_len, mode="eager")
+    fast = DrafterPrefill(drafter, host, max_len=max_len, mode=mode)
+    assert fast.mode == mode and eager.mode == "eager"
     for n, P in ((3, 128), (1, 64), (3, 64)):
-        tokens, plen = _prompts(tiny_host, n, P)
+        tokens, plen = (t.to(device) for t in _prompts(host, n, P))
         _, hidden, features = host_prefill(tokens, plen)
-        seq = torch.zeros(n, max_len, dtype=torch.long)
+        seq = torch.zeros(n, max_len, dtype=torch.long, device=device)
         seq[:, : tokens.shape[1]] = tokens
-        seq.scatter_(1, plen.unsqueeze(1), torch.full((n, 1), 7))  # a first new token after each prompt
+        seq.scatter_(1, plen.unsqueeze(1), torch.full((n, 1), 7, device=device))  # a first new token after each
         parts = []
-        for run in (eager, static):
-            sub = DraftState(seq=seq.clone(), seq_len=plen + 1, seeds=torch.arange(n), rounds=torch.zeros_like(plen),
-                             sampling=GREEDY)
+        for run in (eager, fast):
+            sub = DraftState(seq=seq.clone(), seq_len=plen + 1, seeds=torch.arange(n, device=device),
+                             rounds=torch.zeros_like(plen), sampling=GREEDY)
             parts.append({name: [t.clone() for t in _state_tensors(part)]
                           for name, part in run(features, plen, sub).items()})
         assert parts[0].keys() == parts[1].keys() == set(drafter.slot_state)
         for name in drafter.slot_state:
             for want, got in zip(parts[0][name], parts[1][name]):
                 assert got.shape == want.shape
-                torch.testing.assert_close(got, want, msg=f"{drafter_name}.{name}, {n} arrivals")
-    assert sorted(static.shapes) == [(1, 64), (4, 64), (4, 128)] and static.graphs == 0 and not eager.shapes
+                torch.testing.assert_close(got, want, msg=f"{drafter.name}.{name}, {n} arrivals, {mode}")
+    assert sorted(fast.shapes) == [(1, 64), (4, 64), (4, 128)] and not eager.shapes
+    assert fast.graphs == (3 if mode == "graph" else 0)
     after = [t for name in drafter.slot_state for t in _state_tensors(getattr(drafter, name))]
-    assert all(torch.equal(a, b) for a, b in zip(after, slots_state))  # the drafter's own state put back
+    assert all(torch.equal(a, b) for a, b in zip(after, slots_state))
+
+
+@pytest.mark.parametrize("drafter_name", ["dspark-trained", "eagle3", "mtp"])
+def test_static_drafter_prefill_equals_as_called(tiny_host, drafter_name):
+    check_drafter_prefill(tiny_host, drafter_of(drafter_name, tiny_host), "static")
 
 
 def test_drafter_prefill_refuses_nonzero_begin_state(tiny_host, monkeypatch):
