@@ -101,7 +101,8 @@ class EngineStats:
     in_flight: list[int] = field(default_factory=list)  # requests in flight at each round
     widths: list[int] = field(default_factory=list)  # the verify forward's width (L + 1 tokens per slot) each round
     drafted: int = 0  # rounds that ran the drafter (the others were plain: Verifier.draft_next)
-    prefill_graphs: int = 0  # of `graphs`, the prefill shapes captured (dspark.engine.prefill)
+    prefill_graphs: int = 0  # of `graphs`, the admission graphs captured: the host's prefill per arrival shape and
+    # the drafter's part per shape where it is captured too (dspark.engine.prefill)
     admit_s: float = 0.0  # wall seconds launching admissions (prefills, the drafter's admission), capture excluded
     # wall seconds the CPU waited for the device's copies (rounds, first tokens): the loop's wall time less this is
     # the CPU's own work (launches, commits, admissions); where that exceeds the device's round, the CPU is the bound
