@@ -227,6 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-freeze", choices=["on", "off"], default="on",
                     help="freeze the objects alive when a decode starts for its loop (dspark.engine.serve.quiet_gc); "
                          "off: an A/B of that")
+    ap.add_argument("--drafter-admission", choices=["captured", "eager"], default="captured",
+                    help="the drafter's part of each admission replayed as CUDA graphs per arrival shape "
+                         "(dspark.engine.prefill.DrafterPrefill) or, for an A/B, run as called")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="torch._inductor.config options for the compiled pieces, e.g. combo_kernels=True")
     args = ap.parse_args(argv)
@@ -234,6 +237,7 @@ def main(argv=None) -> int:
         restrict_sdpa(args.sdpa)
     inductor = set_inductor(args.inductor)
     serve_module.FREEZE_GC = args.gc_freeze == "on"
+    serve_module.CAPTURE_DRAFTER_ADMISSION = args.drafter_admission == "captured"
     K = args.draft_length
     NEW = args.max_new_tokens
     if args.repeats < 1:
@@ -243,7 +247,8 @@ def main(argv=None) -> int:
     env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "host": args.host, "command": command,
-           "sdpa": args.sdpa or "default", "inductor": inductor, "gc_freeze": args.gc_freeze, "repeats": REPEATS}
+           "sdpa": args.sdpa or "default", "inductor": inductor, "gc_freeze": args.gc_freeze, "repeats": REPEATS,
+           "drafter_admission": args.drafter_admission}
     import transformers
 
     env["transformers"] = transformers.__version__

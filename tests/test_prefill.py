@@ -65,6 +65,17 @@ def test_decoding_through_static_prefill_equals_solo_eager(tiny_host, drafter_na
     assert bool(drafter_prepared) == (drafter_name in ("dspark-trained", "eagle3"))
 
 
+def test_drafter_admission_as_called_when_switched_off(tiny_host, monkeypatch):
+    """serve.CAPTURE_DRAFTER_ADMISSION = False (speed.py's --drafter-admission eager, an A/B): the host's prefill
+    keeps its graph path, the drafter's part runs as called, and the tokens stay the eager loop's."""
+    monkeypatch.setattr(serve_module, "prefill_mode", lambda graphs: "static")
+    monkeypatch.setattr(serve_module, "CAPTURE_DRAFTER_ADMISSION", False)
+    prepared = []
+    monkeypatch.setattr(prefill_module.DrafterPrefill, "_prepare", lambda self, *a: prepared.append(a))
+    check_against_solo(tiny_host, "eagle3", "full", GREEDY, 3, lambda x: x[::-1])
+    assert not prepared
+
+
 def _state_tensors(state):
     return (state.k, state.v, state.lengths) if isinstance(state, KVCache) else (state,)
 

@@ -34,6 +34,7 @@ def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
     assert "| plain | 2 |" in out and "| ngram (model-free) | 1 |" in out
     # the garbage collections inside each timed loop, counted per generation (dspark.engine.serve.quiet_gc)
     assert result["environment"]["gc_freeze"] == "on"
+    assert result["environment"]["drafter_admission"] == "captured"
     for runs in result["runs"].values():
         for run in runs.values():
             assert run["gc_ms"] >= 0 and len(run["gc_collections"]) == 3

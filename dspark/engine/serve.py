@@ -114,6 +114,9 @@ class EngineStats:
 
 #: whether `serve` freezes the objects alive at its start for its loop (quiet_gc); False for an A/B of the effect
 FREEZE_GC = True
+# False: the drafter's part of each admission runs as called even where the rounds and the host's prefill replay
+# graphs (dspark.engine.prefill.DrafterPrefill); for benchmarks/speed.py's A/B (--drafter-admission eager)
+CAPTURE_DRAFTER_ADMISSION = True
 
 
 @contextmanager
@@ -219,7 +222,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     max_len = aligned_length(max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2)
     use_graphs = host.device.type == "cuda" if graphs is None else graphs
     slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling,
-                  prefill=prefill_mode(use_graphs))
+                  prefill=prefill_mode(use_graphs), drafter_prefill=None if CAPTURE_DRAFTER_ADMISSION else "eager")
     runner = round_runner(slots, host, drafter, verifier, K, graphs=graphs, timing=timing)
     stats = EngineStats()
     queue = deque(requests)

@@ -66,7 +66,7 @@ class Slots:
     """Per-slot state of C requests on the host's device, and admission into free slots."""
 
     def __init__(self, host, drafter: Drafter, verifier, *, capacity: int, max_len: int,
-                 sampling: SamplingConfig, prefill: str = "eager") -> None:
+                 sampling: SamplingConfig, prefill: str = "eager", drafter_prefill: str | None = None) -> None:
         device, C = host.device, capacity
         self.host, self.drafter, self.verifier = host, drafter, verifier
         self.capacity, self.max_len, self.sampling = C, max_len, sampling
@@ -81,7 +81,8 @@ class Slots:
         self.cache = host.new_cache(C, max_len)
         self.prefill = Prefill(host, max_len=max_len, taps=drafter.feature_layers, mode=prefill)
         drafter.begin(host=host, batch_size=C, max_len=max_len)
-        self.drafter_prefill = DrafterPrefill(drafter, host, max_len=max_len, mode=prefill)  # after begin: borrows it
+        # after begin: it borrows the drafter's state; its mode that of the host's prefill unless given
+        self.drafter_prefill = DrafterPrefill(drafter, host, max_len=max_len, mode=drafter_prefill or prefill)
         verifier.begin(batch_size=C)
         # the CPU side: which request each slot holds (None = free), and mirrors that need no device read
         self.request: list[Request | None] = [None] * C

@@ -34,7 +34,9 @@
 # options for both; PROFILE_METHODS, PROFILE_COMPILE and PROFILE_PROMPT the profile's --methods, --compile and
 # --prompt-length (e.g. 480: a ShareGPT-length context, where the concurrency run's DSpark rounds were slow).
 # GC_FREEZE=off runs the speed phase with --gc-freeze off (the loop's garbage collector as Python leaves it; an A/B of
-# dspark.engine.serve.quiet_gc) into $OUT/speed-gc-off/.
+# dspark.engine.serve.quiet_gc) into $OUT/speed-gc-off/; DRAFTER_ADMISSION=eager with --drafter-admission eager (the
+# drafter's part of each admission as called, not replayed: an A/B of dspark.engine.prefill.DrafterPrefill) into
+# $OUT/speed-admission-eager/.
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
@@ -105,6 +107,7 @@ wait_for_training() {  # up to TRAIN_GUARD_S (default 300) seconds; then the pha
   done
 }
 tag="${SDPA:+-sdpa-${SDPA// /-}}${INDUCTOR:+-${INDUCTOR// /-}}${GC_FREEZE:+-gc-$GC_FREEZE}"  # the speed phase's folder
+tag="$tag${DRAFTER_ADMISSION:+-admission-$DRAFTER_ADMISSION}"
 tag=${tag//=/-}
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
 case "$phase" in speed|llama8b|validate|concurrency|sps8b|profile) wait_for_training "$phase" ;; esac
@@ -117,9 +120,10 @@ case "$phase" in
       | tee "$OUT/engine_cuda_tests.log" || true ;;  # a failure is in the log; the call's later phases still run
   speed)  # into /tmp/speedrun (kept while the machine stays warm), copied to $OUT; partial results survive a cut
     python3 benchmarks/speed.py --host "${HOST:-smollm2}" --compile "${SPEED_COMPILE:-both}" ${CHECKPOINTS:+--checkpoints "$CHECKPOINTS"} \
-      ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} ${GC_FREEZE:+--gc-freeze $GC_FREEZE} --skip-llama8b \
+      ${SDPA:+--sdpa $SDPA} ${INDUCTOR:+--inductor $INDUCTOR} ${GC_FREEZE:+--gc-freeze $GC_FREEZE} \
+      ${DRAFTER_ADMISSION:+--drafter-admission $DRAFTER_ADMISSION} --skip-llama8b \
       --out-dir "/tmp/speedrun$tag" || true
-    dest="$OUT${tag:+/speed$tag}"  # with SDPA, INDUCTOR or GC_FREEZE, beside the default's files
+    dest="$OUT${tag:+/speed$tag}"  # with SDPA, INDUCTOR, GC_FREEZE or DRAFTER_ADMISSION, beside the default's files
     mkdir -p "$dest" && cp "/tmp/speedrun$tag"/speed*.json "$dest"/ ;;
   llama8b)
     python3 benchmarks/speed.py --only-llama8b --compile "${SPEED_COMPILE:-both}" --out-dir /tmp/speedrun
