@@ -63,6 +63,8 @@ Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too littl
   (dspark.engine.sampling.argmax: DSpark's propose 1.11 -> 0.84 ms there), n-gram's draft cost alone (in NOTES).
 Session 7 (2026-12-06, eighth session): six failed machine starts and a refused call (556 s) left 1,244 s, under
   what DSpark's re-run needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
+Session 8 (2026-12-06, ninth session): no machine came in nine tries (1,186 s of the 1,800 spent on failed
+  starts); below 1,450 s after the third, so the re-run was not begun.
 Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
