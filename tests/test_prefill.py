@@ -74,6 +74,13 @@ def test_drafter_admission_as_called_when_switched_off(tiny_host, monkeypatch):
     monkeypatch.setattr(prefill_module.DrafterPrefill, "_prepare", lambda self, *a: prepared.append(a))
     check_against_solo(tiny_host, "eagle3", "full", GREEDY, 3, lambda x: x[::-1])
     assert not prepared
+    # the same switch from the environment, for processes a driver starts; a wrong value is named
+    for value, want in (("eager", False), ("captured", True)):
+        monkeypatch.setenv("DSPARK_DRAFTER_ADMISSION", value)
+        assert serve_module._drafter_admission_setting() is want
+    monkeypatch.setenv("DSPARK_DRAFTER_ADMISSION", "graph")
+    with pytest.raises(ValueError, match="DSPARK_DRAFTER_ADMISSION must be captured or eager"):
+        serve_module._drafter_admission_setting()
 
 
 def _state_tensors(state):

@@ -64,7 +64,11 @@ Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too littl
 Session 7 (2026-12-06, eighth session): six failed machine starts and a refused call (556 s) left 1,244 s, under
   what DSpark's re-run needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
 Session 8 (2026-12-06, ninth session): no machine came in nine tries (1,186 s of the 1,800 spent on failed
-  starts); below 1,450 s after the third, so the re-run was not begun.
+  starts); below 1,450 s after the third, so the re-run was not begun. Engine change since (CPU-tested, not yet
+  on a GPU): the drafter's admission is replayed as CUDA graphs (dspark.engine.prefill.DrafterPrefill). In the
+  re-run, read the pytest lines of chunk 25's call: should test_captured_drafter_admission_equals_as_called
+  fail, prefix the later calls with DSPARK_DRAFTER_ADMISSION=eager (the admission as sessions 3-5 timed it).
+  Either way DSpark's `speed` rows then differ from the other drafters' in this too: say which it ran.
 Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
