@@ -63,9 +63,10 @@ Session 6 (2026-12-06, H100): seven failed machine starts (721 s) left too littl
   (dspark.engine.sampling.argmax: DSpark's propose 1.11 -> 0.84 ms there), n-gram's draft cost alone (in NOTES).
 Session 7 (2026-12-06, eighth session): six failed machine starts and a refused call (556 s) left 1,244 s, under
   what DSpark's re-run needs; the H100 that came ran SmolLM2's speed rows instead (RESULTS, issue 21, eighth session).
-Session 8 (2026-12-06, ninth session): no machine came in nine tries (1,186 s of the 1,800 spent on failed
-  starts); below 1,450 s after the third, so the re-run was not begun. Engine change since (CPU-tested, not yet
-  on a GPU): the drafter's admission is replayed as CUDA graphs (dspark.engine.prefill.DrafterPrefill). In the
+Session 8 (2026-12-06, ninth session): nine failed machine starts (1,186 s) before an H100 came, below 1,450 s
+  after the third, so the re-run was not begun (the H100 ran issue 21's admission A/B and the CUDA tests). Engine
+  change since: the drafter's admission is replayed as CUDA graphs (dspark.engine.prefill.DrafterPrefill; its
+  CUDA tests passed on that H100, with random hosts only). In the
   re-run, read the pytest lines of chunk 25's call: should test_captured_drafter_admission_equals_as_called
   fail, prefix the later calls with DSPARK_DRAFTER_ADMISSION=eager (the admission as sessions 3-5 timed it).
   Either way DSpark's `speed` rows then differ from the other drafters' in this too: say which it ran.
