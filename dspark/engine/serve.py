@@ -115,6 +115,8 @@ class EngineStats:
 
 #: whether `serve` freezes the objects alive at its start for its loop (quiet_gc); False for an A/B of the effect
 FREEZE_GC = True
+
+
 def _drafter_admission_setting() -> bool:
     value = os.environ.get("DSPARK_DRAFTER_ADMISSION", "captured")
     if value not in ("captured", "eager"):
@@ -122,9 +124,9 @@ def _drafter_admission_setting() -> bool:
     return value == "captured"
 
 
-# False: the drafter's part of each admission runs as called even where the rounds and the host's prefill replay
-# graphs (dspark.engine.prefill.DrafterPrefill): benchmarks/speed.py's A/B (--drafter-admission eager), or
-# DSPARK_DRAFTER_ADMISSION=eager in the environment (every process, e.g. a driver's `dspark bench` runs)
+#: False: the drafter's part of each admission runs as called even where the rounds and the host's prefill replay
+#: graphs (dspark.engine.prefill.DrafterPrefill): benchmarks/speed.py's A/B (--drafter-admission eager), or
+#: DSPARK_DRAFTER_ADMISSION=eager in the environment (every process, e.g. a driver's `dspark bench` runs)
 CAPTURE_DRAFTER_ADMISSION = _drafter_admission_setting()
 
 
