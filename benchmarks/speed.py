@@ -122,6 +122,7 @@ def cpu_split(out) -> dict:
     wait = e.get("wait_s", 0.0)
     return {"cpu_ms_per_round": 1000 * (out.seconds - wait) / rounds, "wait_ms_per_round": 1000 * wait / rounds,
             "admit_ms_per_round": 1000 * e.get("admit_s", 0.0) / rounds, "admissions": e.get("admissions", 0),
+            "admit_ms_each": 1000 * e.get("admit_s", 0.0) / max(1, e.get("admissions", 0)),
             "gc_ms": 1000 * e.get("gc_s", 0.0), "gc_collections": e.get("gc_collections")}
 
 
@@ -347,7 +348,7 @@ def runs_json(runs: dict) -> dict:
 
 def table(r: dict) -> str:
     lines = ["| method | C | tok/s | tau | ratio to plain | ratio / tau "
-             "| ms/round draft / verify / accept / bookkeeping | CPU ms/round own / of it admit "
+             "| ms/round draft / verify / accept / bookkeeping | CPU ms/round own / of it admit (ms an admission) "
              "| GC ms in loop (collections of gen 0/1/2) | graphs | warm-up s | in flight |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines.append(f"| transformers generate() | 1 | {r['hf_generate_tok_s']:.1f} | | | | | | | | | |")
@@ -363,6 +364,7 @@ def table(r: dict) -> str:
             split = " / ".join(f"{st.get(k, float('nan')):.2f}" for k in ("draft", "verify", "accept", "bookkeeping"))
             cpu = (f"{x['cpu_ms_per_round']:.2f} / {x['admit_ms_per_round']:.2f}" if "cpu_ms_per_round" in x
                    else "")  # speed.json files written before the CPU split
+            cpu += f" ({x['admit_ms_each']:.2f})" if "admit_ms_each" in x else ""  # and before this split of it
             gc_ms = (f"{x['gc_ms']:.1f} ({'/'.join(map(str, x['gc_collections']))})" if x.get("gc_collections")
                      else "")  # and before the garbage collections were counted
             ratio = f"{x['tok_s'] / plain:.2f}" if plain else ""

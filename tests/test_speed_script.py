@@ -28,6 +28,8 @@ def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
             # the CPU's own time a round: on the CPU nothing is waited for, so it is the whole round
             assert run["cpu_ms_per_round"] > 0 and run["wait_ms_per_round"] >= 0
             assert 0 <= run["admit_ms_per_round"] <= run["cpu_ms_per_round"] and run["admissions"] >= 1
+            each = run["admit_ms_per_round"] * run["rounds"] / run["admissions"]  # CPU time an admission took
+            assert run["admit_ms_each"] == pytest.approx(each)
             expected = run["seconds"] * 1000 / run["rounds"] - run["wait_ms_per_round"]
             assert run["cpu_ms_per_round"] == pytest.approx(expected)
     out = capsys.readouterr().out
