@@ -597,6 +597,7 @@ def bench_prompts(host, n: int, source: EvalOptions | None = None) -> list[list[
 
 def cmd_bench(argv) -> int:
     from dspark.api import resolve_drafter, resolve_verifier
+    import dspark.engine.serve as serve_module
     from dspark.engine.workload import bench
     from dspark.engine.sampling import SamplingConfig
     from dspark.engine.jsonio import write_json_atomic
@@ -620,8 +621,10 @@ def cmd_bench(argv) -> int:
                  max_new_tokens=d.max_new_tokens, seed=d.seed,
                  sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k))
     out = Path(b.out_dir) / "bench.json"
+    # how the drafter's admissions ran (dspark.engine.serve.CAPTURE_DRAFTER_ADMISSION, DSPARK_DRAFTER_ADMISSION)
+    admission = "captured" if serve_module.CAPTURE_DRAFTER_ADMISSION else "eager"
     write_json_atomic(out, {"host": h.host, "device": str(host.device), "dtype": str(host.dtype), "data": b.data,
-                            "drafter_dtype": d.drafter_dtype, "rows": rows})
+                            "drafter_dtype": d.drafter_dtype, "drafter_admission": admission, "rows": rows})
     for r in rows:
         print(f"{r['method']:>10}  C={r['concurrency']:<4} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau'] or 0:.2f}  "
               f"in flight {r['mean_in_flight']:.1f}")

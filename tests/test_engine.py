@@ -293,7 +293,9 @@ def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):
     rc = main(["bench", "--host", "random:tiny-llama", "--drafter", "ngram", "--concurrency", "1", "4",
                "--num-prompts", "8", "--max-new-tokens", "16", "--out-dir", str(tmp_path)])
     assert rc == 0
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = doc["rows"]
+    assert doc["drafter_admission"] == "captured"  # how the drafter's admissions ran (DSPARK_DRAFTER_ADMISSION)
     assert [(r["method"], r["concurrency"]) for r in rows] == [("plain", 1), ("plain", 4), ("ngram", 1), ("ngram", 4)]
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["tau"] >= 1 and r["requests"] == 8

@@ -69,7 +69,8 @@ Session 8 (2026-12-06, ninth session): nine failed machine starts (1,186 s) befo
   CUDA tests passed on that H100, with random hosts only). In the
   re-run, read the pytest lines of chunk 25's call: should test_captured_drafter_admission_equals_as_called
   fail, prefix the later calls with DSPARK_DRAFTER_ADMISSION=eager (the admission as sessions 3-5 timed it).
-  Either way DSpark's `speed` rows then differ from the other drafters' in this too: say which it ran.
+  Either way DSpark's `speed` rows then differ from the other drafters' in this too: say which it ran (each
+  bench.json's drafter_admission records it).
 Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
