@@ -9,8 +9,7 @@ import torch
 
 import dspark.engine.prefill as prefill_module
 import dspark.engine.serve as serve_module
-from dspark.engine.kv_cache import KVCache
-from dspark.engine.prefill import GRAPH_ROWS, DrafterPrefill, Prefill
+from dspark.engine.prefill import GRAPH_ROWS, DrafterPrefill, Prefill, _tensors
 from dspark.engine.protocol import DraftState
 from tests.conftest import random_prompts
 from tests.test_engine import GREEDY, T1, check_against_solo, drafter_of
@@ -83,10 +82,6 @@ def test_drafter_admission_as_called_when_switched_off(tiny_host, monkeypatch):
         serve_module._drafter_admission_setting()
 
 
-def _state_tensors(state):
-    return (state.k, state.v, state.lengths) if isinstance(state, KVCache) else (state,)
-
-
 def check_drafter_prefill(host, drafter, mode: str) -> None:
     """The drafter's state rows after an admission on zeroed scratch rows (padded to N; `mode` "static" or, on a
     GPU, "graph") equal begin + observe + prefill on the arrivals alone, for arrivals of 3 (128-wide), 1, then 3
@@ -95,7 +90,7 @@ def check_drafter_prefill(host, drafter, mode: str) -> None:
     max_len, device = 192, host.device
     host_prefill = Prefill(host, max_len=max_len, taps=drafter.feature_layers, mode="eager")
     drafter.begin(host=host, batch_size=4, max_len=max_len)  # the slots' own state, never touched here
-    slots_state = [t.clone() for name in drafter.slot_state for t in _state_tensors(getattr(drafter, name))]
+    slots_state = [t.clone() for name in drafter.slot_state for t in _tensors(getattr(drafter, name))]
     eager = DrafterPrefill(drafter, host, max_len=max_len, mode="eager")
     fast = DrafterPrefill(drafter, host, max_len=max_len, mode=mode)
     assert fast.mode == mode and eager.mode == "eager"
@@ -109,7 +104,7 @@ def check_drafter_prefill(host, drafter, mode: str) -> None:
         for run in (eager, fast):
             sub = DraftState(seq=seq.clone(), seq_len=plen + 1, seeds=torch.arange(n, device=device),
                              rounds=torch.zeros_like(plen), sampling=GREEDY)
-            parts.append({name: [t.clone() for t in _state_tensors(part)]
+            parts.append({name: [t.clone() for t in _tensors(part)]
                           for name, part in run(features, plen, sub).items()})
         assert parts[0].keys() == parts[1].keys() == set(drafter.slot_state)
         for name in drafter.slot_state:
@@ -118,7 +113,7 @@ def check_drafter_prefill(host, drafter, mode: str) -> None:
                 torch.testing.assert_close(got, want, msg=f"{drafter.name}.{name}, {n} arrivals, {mode}")
     assert sorted(fast.shapes) == [(1, 64), (4, 64), (4, 128)] and not eager.shapes
     assert fast.graphs == (3 if mode == "graph" else 0)
-    after = [t for name in drafter.slot_state for t in _state_tensors(getattr(drafter, name))]
+    after = [t for name in drafter.slot_state for t in _tensors(getattr(drafter, name))]
     assert all(torch.equal(a, b) for a, b in zip(after, slots_state))
 
 

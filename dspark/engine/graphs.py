@@ -204,7 +204,7 @@ class GraphRound:
                 fn()
 
     def _side_stream(self):
-        return _side_stream() if self.capture else contextlib.nullcontext()
+        return side_stream() if self.capture else contextlib.nullcontext()
 
     def _synchronize(self) -> None:
         if self.capture:
@@ -325,13 +325,14 @@ def _copy_into(buffers, fresh) -> None:
 
 
 @contextlib.contextmanager
-def _side_stream():
-    """Run a block on a fresh side stream, ordered after and before the current stream's work."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+def side_stream(device: torch.device | None = None):
+    """Run a block on a fresh side stream of `device` (None: the current one), ordered after and before its current
+    stream's work (the warm-ups before a capture: here and dspark.engine.prefill.capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 class StageTimer:

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from dspark.engine.graphs import side_stream
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, graph_shapes
 
@@ -36,12 +37,9 @@ def _rows_bucket(n: int) -> int:
 def capture(fn, device: torch.device, pool):
     """fn() run twice on a side stream (kernels' lazy initialisation stays out of the capture), then captured into
     a new CUDA graph sharing `pool` -> (the graph, fn's output: the tensors a replay rewrites)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    with side_stream(device):
         for _ in range(2):
             fn()
-    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
