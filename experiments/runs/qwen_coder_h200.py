@@ -71,6 +71,9 @@ Session 8 (2026-12-06, ninth session): nine failed machine starts (1,186 s) befo
   fail, prefix the later calls with DSPARK_DRAFTER_ADMISSION=eager (the admission as sessions 3-5 timed it).
   Either way DSpark's `speed` rows then differ from the other drafters' in this too: say which it ran (each
   bench.json's drafter_admission records it).
+Session 9 (2026-12-07, tenth session): four failed machine starts (451 s) left 1,349 s, so the re-run was not begun;
+  the H100 that came ran SmolLM2's trained speed rows (RESULTS, issue 21, tenth session), where the replayed
+  admission's CUDA tests passed again after its last change: the re-run may keep the default (captured).
 Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
