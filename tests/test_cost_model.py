@@ -131,6 +131,36 @@ def test_profile_with_fake_host():
         profile(host, batch_sizes=[1], tokens_per_request=[1], context=-1)
 
 
+def shaped_table(points: dict[tuple[int, int], float]) -> CostModel:
+    """A table as `profile` builds it from {(R, T): step ms}: SPS(M) keeps the slowest shape of each M."""
+    slowest: dict[int, float] = {}
+    for (R, T), ms in points.items():
+        slowest[R * T] = max(slowest.get(R * T, 0.0), ms / 1000)
+    return CostModel.from_points({M: 1 / s for M, s in slowest.items()},
+                                 points=[{"batch_size": R, "tokens_per_request": T, "tokens": R * T,
+                                          "step_seconds": ms / 1000} for (R, T), ms in points.items()])
+
+
+def test_step_seconds_prices_a_forward_by_its_shape(tmp_path):
+    """Four rows of one token are not one row of four (on the H100 1.29 against 1.73 ms, compiled SmolLM2): inside
+    the profiled grid a forward is priced at its own (R, T), linear between grid points, and outside it (or without
+    a full grid) at 1 / SPS(R·T) as before."""
+    cost = shaped_table({(1, 1): 1.0, (1, 4): 2.0, (4, 1): 1.2, (4, 4): 2.4})
+    ms = lambda R, *T: (1000 * cost.step_seconds(R, torch.tensor(T))).tolist()  # noqa: E731
+    assert 1000 / cost(4) == pytest.approx(2.0)  # SPS(4) is the slower shape, one row of four
+    assert ms(4, 1, 4) == pytest.approx([1.2, 2.4]) and ms(1, 1, 4) == pytest.approx([1.0, 2.0])
+    assert ms(2, 1) == pytest.approx([1.0 + 0.2 / 3]) and ms(4, 2) == pytest.approx([1.2 + 1.2 / 3])
+    assert ms(1, 0) == pytest.approx([1.0])  # below the grid: clamped to its first T
+    assert ms(8, 1) == pytest.approx([1000 / cost(8)]) and ms(1, 8) == pytest.approx([1000 / cost(8)])
+    assert cost.step_seconds(4, torch.tensor([[1, 4]])).shape == (1, 2)
+    cost.save(tmp_path / "c.json")  # the grid is the saved points: a loaded table prices the same
+    assert (1000 * CostModel.load(tmp_path / "c.json").step_seconds(4, torch.tensor([1]))).item() == pytest.approx(1.2)
+    partial = shaped_table({(1, 1): 1.0, (1, 4): 2.0, (4, 1): 1.2})  # (4, 4) missing: no grid
+    assert (1000 * partial.step_seconds(4, torch.tensor([1]))).item() == pytest.approx(2.0)
+    hand = CostModel.from_points({1: 1000.0, 4: 500.0})
+    assert (1000 * hand.step_seconds(4, torch.tensor([1]))).item() == pytest.approx(2.0)
+
+
 def test_graph_mode_needs_cuda_and_auto_is_eager_on_the_cpu(tiny_host):
     """On CUDA the default times replayed graphs (tests/test_engine_cuda.py); elsewhere steps run as called."""
     from drafters.ngram import NgramDrafter

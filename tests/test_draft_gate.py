@@ -69,6 +69,24 @@ def drafted_rounds_overlapped(gate: DraftGate, tau_of, rounds: int = 40, rows: i
     return out
 
 
+def test_the_gate_prices_plain_rows_at_their_own_shape():
+    """The H100 case (2026-12-07): 4 plain rows take 1.29 ms, 1 row of 4 tokens 1.73. A drafted round of 4 rows at
+    width 2 (3 tokens a row, 1.72 ms, plus a 0.43 ms draft) committing 5 tokens loses against plain (gain 0.75), but
+    priced by SPS(M), where M = 4 is the slower one-row shape, it looked like a gain of 1.01 and the gate kept
+    drafting. Priced by shape it stops after that round."""
+    from tests.test_cost_model import shaped_table
+
+    cost = shaped_table({(1, 1): 1.28, (1, 2): 1.61, (1, 4): 1.73, (4, 1): 1.29, (4, 2): 1.65, (4, 4): 1.78})
+    cost.draft[draft_key(Named(), K)] = {"batch_sizes": [1, 4], "seconds": [0.43e-3, 0.43e-3]}
+    gate = DraftGate(cost)
+    gate.bind(drafter=Named(), K=K)
+    assert gate.draft_next()
+    gate.after_round(slots=4, rows=4, width=2, drafted=True, committed=round(4 * 1.36))
+    plain, spent = 1.29, (1.65 + 1.78) / 2 + 0.43  # (4, 3) between (4, 2) and (4, 4)
+    assert gate.gain == pytest.approx(1.25 * plain / spent) and gate.gain < 1 and not gate.draft_next()
+    assert 5 / 4 * 1.73 / (1000 / cost(12) + 0.43) > 1  # what the SPS(M) price said
+
+
 def test_overlapped_a_probe_is_one_round_and_a_paying_drafter_still_drafts_every_round():
     """Launched before a probe's outcome is known, the next round stays plain: a failed probe costs one drafted
     round, not two (before: rounds 0 and 1 drafted, then every failed probe twice); a probe that pays resumes

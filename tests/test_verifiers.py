@@ -119,6 +119,20 @@ def test_scheduler_prices_the_padded_verify_forward():
     assert expected_throughput(a, torch.tensor([0, 0]), table) == pytest.approx(200.0)
 
 
+def test_scheduler_prices_widths_by_the_forwards_shape():
+    """Width 0 for 4 rows is the (4, 1) forward, not M = 4's slowest shape (1, 4): with a table where 4 rows of one
+    token are cheap, drafts the SPS(M) price found worth verifying are not."""
+    from tests.test_cost_model import shaped_table
+
+    cost = shaped_table({(1, 1): 1.0, (1, 2): 1.1, (1, 4): 1.8, (4, 1): 1.0, (4, 2): 1.6, (4, 4): 2.0})
+    a = survival(torch.full((4, 1), 0.5))
+    # by shape: Θ(0) = 4 / 1.0 ms = 4000/s against Θ(1) = (4 + 4 * 0.5) / 1.6 ms = 3750/s; by SPS(M), where M = 4 is
+    # priced at (1, 4)'s 1.8 ms: Θ(0) = 4 / 1.8 ms = 2222/s, so verifying looked better
+    assert schedule(a, cost).tolist() == [0, 0, 0, 0]
+    assert schedule(a, lambda M: cost(M)).tolist() == [1, 1, 1, 1]  # the same table read by M alone
+    assert expected_throughput(a, torch.tensor([0, 0, 0, 0]), cost) == pytest.approx(4000.0)
+
+
 def test_priced_tokens_are_the_tokens_the_decode_loop_runs(tiny_host, monkeypatch):
     """Every verify round of a real decode: the host step gets exactly verify_tokens(max ell, R) tokens."""
     from drafters.ngram import NgramDrafter

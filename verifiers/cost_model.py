@@ -37,7 +37,8 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
                                "context": n, "mode": m, "dtype": the drafter's weights, or null}}
                                (observe_seconds, dtype: absent in older tables),
                                draft_key = "<drafter name>/K<draft length>/<parameter count>"
-When several (R, T) give the same M the slower one enters the table (conservative). `to_csv` writes the columns
+When several (R, T) give the same M the slower one enters the table (conservative); the schedulers price a forward
+by its shape instead, `step_seconds(R, T)` from `points`, where the grid covers it. `to_csv` writes the columns
 tokens, sps, step_ms.
 
 Engine JSON (`export_engine_json`, format "dspark.engine", version 1), for serving engines outside this package:
@@ -51,6 +52,7 @@ Engine JSON (`export_engine_json`, format "dspark.engine", version 1), for servi
 """
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import statistics
@@ -165,6 +167,55 @@ class CostModel:
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
         inside = y0 + (b - x0) / (x1 - x0) * (y1 - y0)
         return torch.where(b < x[0], y[0], torch.where(b > x[-1], above, inside))
+
+    # ---- t(R, T): a forward's seconds by its shape ------------------------------------------------------------
+    def step_seconds(self, requests: int, width: torch.Tensor) -> torch.Tensor:
+        """Seconds of one verify forward over `requests` rows of `width` tokens each (`width` a long tensor of any
+        shape; float64 of its shape, on its device). Tensor-only once the grid is on that device (see _interpolate).
+
+        Read from the profiled (R, T) grid (`points`) where `requests` is at most its largest R and `width` at most
+        its largest T: linear in R between profiled batch sizes, then linear in T, clamped below the first of
+        either. Elsewhere, and for a table without a full grid (hand-made ones), 1 / SPS(R·T). why not SPS(R·T)
+        throughout: of the shapes that share a token count the table keeps the slowest, and at small counts that is
+        the one-request shape, so R plain rows were priced as one request verifying R tokens, 1.73 ms against the
+        1.29 ms they take (compiled SmolLM2 on the H100, 4 rows; benchmarks/RESULTS.md, 2026-12-07), which made a
+        drafted round look as if it paid when it did not."""
+        fallback = 1.0 / self._interpolate(requests * width)
+        grid = self._shape_grid(width.device)
+        if grid is None or requests > grid[0][-1]:
+            return fallback
+        sizes, ts, seconds = grid  # [R], (T,), (R, T)
+        i = bisect.bisect_left(sizes, requests)
+        if i == 0:
+            row = seconds[0]
+        else:  # sizes[i - 1] < requests <= sizes[i]
+            frac = (requests - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+            row = seconds[i - 1] + frac * (seconds[i] - seconds[i - 1])  # (T,)
+        b = width.to(torch.float64)
+        if len(ts) == 1:
+            inside = row[0].expand_as(b)
+        else:
+            j = torch.searchsorted(ts, b.contiguous(), right=True).clamp(1, len(ts) - 1)
+            inside = row[j - 1] + (b - ts[j - 1]) / (ts[j] - ts[j - 1]) * (row[j] - row[j - 1])
+            inside = torch.where(b < ts[0], row[0], inside)
+        return torch.where(b > ts[-1], fallback, inside)
+
+    def _shape_grid(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """(batch sizes, T grid (T,), seconds (R, T)) of `points` on `device`, None unless every (R, T) of the
+        profiled batch sizes x tokens per request was measured; built once per device."""
+        key = ("shape", device)
+        if key not in self._grids:
+            measured = {(int(p["batch_size"]), int(p["tokens_per_request"])): float(p["step_seconds"])
+                        for p in self.points}
+            sizes = sorted({r for r, _ in measured})
+            widths = sorted({t for _, t in measured})
+            if not measured or len(measured) != len(sizes) * len(widths):
+                self._grids[key] = None
+            else:
+                self._grids[key] = (sizes, torch.tensor(widths, dtype=torch.float64, device=device),
+                                    torch.tensor([[measured[r, t] for t in widths] for r in sizes],
+                                                 dtype=torch.float64, device=device))
+        return self._grids[key]
 
     # ---- constructors ----------------------------------------------------------------------------------------
     @classmethod

@@ -5,14 +5,18 @@ Shapes: R requests in the batch, K draft positions.
 
 Notation: c_{r,j} confidence, a_{r,j} = Π_{i<=j} c_{r,i} survival, ell_r verified drafts of request r,
 τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens, SPS(M) host verify steps per second at M tokens
-per forward (DSPARK.md's B; in this code B is always requests), Θ = τ*·SPS(M) expected throughput.
+per forward (DSPARK.md's B; in this code B is always requests), t(R, T) = seconds of a forward of R rows of T tokens,
+Θ = τ*·SPS = τ* / t expected throughput.
 
 What a forward costs: `dspark.engine.decode` runs the verify step on a rectangular (R, L + 1) batch with L = max_r ell_r
 (every row padded to the longest; the host step has no packed/ragged form), so a round costs
 M = R·(L + 1) tokens (`verify_tokens`), not the Σ_r (1 + ell_r) of a packed forward that DSPARK.md's Algorithm 1
 assumes. Given the width L, positions j <= L of every row are computed anyway, so verifying them is free and only
 adds expected tokens: the best lengths at width L are ell_r = min(L, limit_r). The scheduler therefore chooses
-the width: Θ(L) = (R + Σ_r Σ_{j<=min(L, limit_r)} a_{r,j})·SPS(R·(L + 1)) for L = 0..K, one cumsum over depths.
+the width: Θ(L) = (R + Σ_r Σ_{j<=min(L, limit_r)} a_{r,j}) / t(R, L + 1) for L = 0..K, one cumsum over depths,
+where t(R, T) is the profiled forward of R rows T tokens wide (`CostModel.step_seconds`; 1 / SPS(R·T) for tables
+without that grid). why by shape and not by M = R·T alone: shapes with one M differ (on the H100, 4 rows of 1 token
+1.29 ms, 1 row of 4 tokens 1.73 ms), and the SPS(M) table keeps the slowest, which priced plain rows too dear.
 
 Early stop (Algorithm 1's rule, over depths): deepen while Θ(L) > Θ(L − 1), stop at the first depth that does not
 improve. Whether x_{r,j} is verified then depends only on survivals at depths <= j, i.e. on c_{r,<=j}, which
@@ -39,7 +43,7 @@ import torch
 
 from dspark.engine.protocol import Proposal, Verifier
 from verifiers.calibration import STSCalibrator, calibrated_confidence
-from verifiers.cost_model import CostModel, draft_key, verify_tokens
+from verifiers.cost_model import CostModel, draft_key
 
 SPS = CostModel | Callable[[torch.Tensor], torch.Tensor] | Sequence[float] | torch.Tensor
 
@@ -52,6 +56,14 @@ def _sps_at(sps: SPS, M: torch.Tensor) -> torch.Tensor:
     if M.numel() and int(M.max()) >= len(table):
         raise ValueError(f"SPS table covers M <= {len(table) - 1} tokens, asked for M = {int(M.max())}")
     return table[M]
+
+
+def _step_seconds(sps: SPS, R: int, width: torch.Tensor) -> torch.Tensor:
+    """Seconds of a verify forward over R rows of `width` tokens each (long tensor, any shape), float64: by its shape
+    from a profiled `CostModel` (`CostModel.step_seconds`), else 1 / SPS(R·width)."""
+    if isinstance(sps, CostModel):
+        return sps.step_seconds(R, width)
+    return 1.0 / _sps_at(sps, R * width)
 
 
 def survival(c: torch.Tensor) -> torch.Tensor:
@@ -67,7 +79,7 @@ def _theta(a: torch.Tensor, limit: torch.Tensor | None, sps: SPS) -> torch.Tenso
         a = a * (torch.arange(1, K + 1, device=a.device) <= limit.view(R, 1))
     tau = R + torch.cat([a.new_zeros(1), a.sum(0).cumsum(0)])  # (K+1,) τ*(L)
     width = torch.arange(K + 1, device=a.device)  # (K+1,)
-    return tau * _sps_at(sps, verify_tokens(width, R))
+    return tau / _step_seconds(sps, R, width + 1)  # each row carries the anchor plus L drafts
 
 
 def _at_width(width: torch.Tensor, R: int, limit: torch.Tensor | None) -> torch.Tensor:
@@ -95,12 +107,13 @@ def schedule(a: torch.Tensor, sps: SPS, *, early_stop: bool = True,
 
 
 def expected_throughput(a: torch.Tensor, lengths: torch.Tensor, sps: SPS) -> float:
-    """Θ = τ*·SPS(M) of lengths ell (R,) under survival a (R, K), M = the padded forward `verify_tokens`."""
+    """Θ = τ* / t(R, L + 1) of lengths ell (R,) under survival a (R, K): the forward padded to the longest row,
+    L = max_r ell_r (`verify_tokens` counts its R·(L + 1) tokens)."""
     R, K = a.shape
     j = torch.arange(1, K + 1, device=a.device)
     tau = R + (a.double() * (j <= lengths.view(R, 1))).sum()
-    M = verify_tokens(lengths.max() if R else lengths.new_zeros(()), R)
-    return float(tau * _sps_at(sps, M.view(1))[0])
+    width = (lengths.max() if R else lengths.new_zeros(())) + 1
+    return float(tau / _step_seconds(sps, R, width.view(1))[0])
 
 
 def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
@@ -122,9 +135,10 @@ class DraftGate:
     probe again later.
 
     After each drafted round the gate prices what the round bought. Its `rows` live requests committed c tokens in
-    a round that cost t_v(R·(L + 1)) + t_d(R): the verify forward at its width L over the R rows of the forward,
-    plus the drafter's own step, both from the cost table (`CostModel.draft`, from `profile_draft`). Plain decoding
-    would have committed one token per live row in t_v(R). So gain = (c / rows)·t_v(R) / (t_v(R·(L + 1)) + t_d(R)),
+    a round that cost t_v(R, L + 1) + t_d(R): the verify forward of the R rows of the forward at its width L (each
+    row L + 1 tokens), plus the drafter's own step, both from the cost table (`CostModel.step_seconds`, and
+    `CostModel.draft` from `profile_draft`). Plain decoding would have committed one token per live row in t_v(R, 1).
+    So gain = (c / rows)·t_v(R, 1) / (t_v(R, L + 1) + t_d(R)),
     smoothed over a streak of drafted rounds (exponential moving average, weight `smoothing` on the newest; the
     default 0.1, about ten rounds of memory, because acceptance comes in bursts: with 0.3 a run of a few rejected
     rounds stopped an n-gram drafter that paid 1.5x on average; chosen on the replayed SmolLM2 n-gram traces priced
@@ -135,7 +149,7 @@ class DraftGate:
     heard are plain, `draft_next`); a probe that pays resumes drafting every round. The wait after a failure is
     the longer of two: one that doubles with each failed probe (1, 2, 4, ... up to `max_wait` rounds), and the
     one that keeps probing within `probe_budget` of the time: a probe costs what the failed round cost beyond a
-    plain round, t_v(R·(L + 1)) + t_d(R) - t_v(R), so it waits that over probe_budget·t_v(R) rounds (a drafter
+    plain round, t_v(R, L + 1) + t_d(R) - t_v(R, 1), so it waits that over probe_budget·t_v(R, 1) rounds (a drafter
     that costs two plain steps, as the quickstart's 2-layer DSpark does on a 2-core CPU, is probed about every
     200 rounds at the default 1 %; the first round always drafts).
 
@@ -182,8 +196,8 @@ class DraftGate:
         self.awaiting = self.gain is None or self.probing
         return True
 
-    def _seconds(self, tokens: int) -> float:
-        return 1.0 / float(_sps_at(self.cost, torch.tensor([tokens]))[0])
+    def _seconds(self, rows: int, width: int) -> float:
+        return float(_step_seconds(self.cost, rows, torch.tensor([width]))[0])
 
     def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
         if not drafted:
@@ -197,7 +211,7 @@ class DraftGate:
             draft_s = getattr(self.cost, "draft_seconds", lambda *_: None)(self.key, slots)
         if width == 0 and not draft_s:  # nothing verified, nothing spent (an n-gram drafter without a match):
             return  # no evidence either way; judged as a failed probe, it would gate off a free drafter for nothing
-        plain, spent = self._seconds(slots), self._seconds(slots * (width + 1)) + (draft_s or 0.0)
+        plain, spent = self._seconds(slots, 1), self._seconds(slots, width + 1) + (draft_s or 0.0)
         gain = (committed / rows) * plain / spent
         fresh = self.gain is None or self.probing
         self.gain = gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain

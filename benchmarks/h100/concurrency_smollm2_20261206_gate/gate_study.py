@@ -9,6 +9,8 @@ constants at the nearest measured C; the table is profiled up to 16 rows, so C s
 `cap<x>` caps the moving average a paying probe restarts from; `margin<x>` judges a probe that pays less than x a
 failure; then the probe budget (0.01 is the default). Run from the project root:
     python benchmarks/h100/concurrency_smollm2_20261206_gate/gate_study.py > .../gate_study.txt
+gate_study.txt was written before the schedulers priced a forward by its shape (CostModel.step_seconds, 2026-12-07):
+run now, the gate prices plain rows at this table's (R, 1) points and its numbers move.
 """
 import json, math, random, sys
 from functools import partial
@@ -58,7 +60,7 @@ def variant(name):
             elif name.startswith("margin"):
                 if self.gain < float(name[6:]):  # judged a failure after all
                     self.gain = 1.0
-                    plain = self._seconds(slots); spent = self._seconds(slots * (width + 1)) + (self.fixed_draft_s or 0)
+                    plain = self._seconds(slots, 1); spent = self._seconds(slots, width + 1) + (self.fixed_draft_s or 0)
                     amortised = math.ceil(max(spent - plain, 0.0) / (self.probe_budget * plain))
                     self.skip_left, self.probing = max(self.wait, amortised), True
                     self.wait = min(2 * self.wait, self.max_wait)
