@@ -75,8 +75,9 @@ Session 9 (2026-12-07, tenth session): four failed machine starts (451 s) left 1
   the H100 that came ran SmolLM2's trained speed rows (RESULTS, issue 21, tenth session), where the replayed
   admission's CUDA tests passed again after its last change: the re-run may keep the default (captured).
 Session 10 (2026-12-07, eleventh session): the 1.5B GGUF staged again (a fresh CPU machine: step 1, then step 2's
-  command, 25 chunks), but eight failed machine starts (941 s) left under 1,450 s before any came; the H100 that
-  came ran issue 22's scheduled-DSpark rows and issue 21's inductor options (RESULTS, eleventh session).
+  command, 25 chunks), but nine failed machine starts and two refused calls (841 s) left under 1,450 s before one
+  came; the H100 that came ran issue 22's scheduled-DSpark rows and issue 21's inductor options (RESULTS, eleventh
+  session).
 Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
