@@ -52,7 +52,8 @@ def synthetic(cond: list[float], seed: int, n_req: int = 32) -> dict:
 
 def replay(folder: Path) -> None:
     cost = CostModel.load(folder / "cost.json")
-    rows = {(r["method"], r["policy"], r["concurrency"]): r for r in json.load(open(folder / "concurrency.json"))["rows"]}
+    doc = json.loads((folder / "concurrency.json").read_text())
+    rows = {(r["method"], r["policy"], r["concurrency"]): r for r in doc["rows"]}
     key = next(iter(cost.draft))
     traces = [synthetic(rows["dspark", "full", 1]["conditional_acceptance"], s) for s in SEEDS]
     ds = lambda R, step="propose": cost.draft_seconds(key, R, step=step) or 0.0  # noqa: E731
