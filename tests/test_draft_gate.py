@@ -81,7 +81,7 @@ def test_the_gate_prices_plain_rows_at_their_own_shape():
     gate = DraftGate(cost)
     gate.bind(drafter=Named(), K=K)
     assert gate.draft_next()
-    gate.after_round(slots=4, rows=4, width=2, drafted=True, committed=round(4 * 1.36))
+    gate.after_round(slots=4, rows=4, width=2, drafted=True, committed=5)
     plain, spent = 1.29, (1.65 + 1.78) / 2 + 0.43  # (4, 3) between (4, 2) and (4, 4)
     assert gate.gain == pytest.approx(1.25 * plain / spent) and gate.gain < 1 and not gate.draft_next()
     assert 5 / 4 * 1.73 / (1000 / cost(12) + 0.43) > 1  # what the SPS(M) price said
