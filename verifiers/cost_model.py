@@ -161,12 +161,7 @@ class CostModel:
         x, y = self._grids[M.device]  # (P,), (P,)
         b = M.to(torch.float64)
         above = y[-1] * x[-1] / b.clamp(min=1.0)  # proportional step time past the last point
-        if len(x) == 1:
-            return torch.where(b > x[-1], above, y[0].expand_as(b))
-        i = torch.searchsorted(x, b.contiguous(), right=True).clamp(1, len(x) - 1)  # segment [x[i-1], x[i]]
-        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
-        inside = y0 + (b - x0) / (x1 - x0) * (y1 - y0)
-        return torch.where(b < x[0], y[0], torch.where(b > x[-1], above, inside))
+        return torch.where(b > x[-1], above, _piecewise_linear(x, y, b))
 
     # ---- t(R, T): a forward's seconds by its shape ------------------------------------------------------------
     def step_seconds(self, requests: int, width: torch.Tensor) -> torch.Tensor:
@@ -192,13 +187,7 @@ class CostModel:
             frac = (requests - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
             row = seconds[i - 1] + frac * (seconds[i] - seconds[i - 1])  # (T,)
         b = width.to(torch.float64)
-        if len(ts) == 1:
-            inside = row[0].expand_as(b)
-        else:
-            j = torch.searchsorted(ts, b.contiguous(), right=True).clamp(1, len(ts) - 1)
-            inside = row[j - 1] + (b - ts[j - 1]) / (ts[j] - ts[j - 1]) * (row[j] - row[j - 1])
-            inside = torch.where(b < ts[0], row[0], inside)
-        return torch.where(b > ts[-1], fallback, inside)
+        return torch.where(b > ts[-1], fallback, _piecewise_linear(ts, row, b))
 
     def _shape_grid(self, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
         """(batch sizes, T grid (T,), seconds (R, T)) of `points` on `device`, None unless every (R, T) of the
@@ -271,6 +260,16 @@ class CostModel:
                 raise ValueError(f"cost table {path} was profiled on device {cost.device!r}, but the device in use "
                                  f"is {want!r}; SPS curves do not transfer between devices, profile again")
         return cost
+
+
+def _piecewise_linear(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y at b, linear between the points (x (P,) strictly increasing, y (P,)), y[0] below x[0], the last segment
+    continued past x[-1] (callers replace that part); b of any shape, tensor-only."""
+    if len(x) == 1:
+        return y[0].expand_as(b)
+    i = torch.searchsorted(x, b.contiguous(), right=True).clamp(1, len(x) - 1)  # segment [x[i-1], x[i]]
+    inside = y[i - 1] + (b - x[i - 1]) / (x[i] - x[i - 1]) * (y[i] - y[i - 1])
+    return torch.where(b < x[0], y[0], inside)
 
 
 def _sync(device: torch.device) -> None:
