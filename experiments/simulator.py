@@ -13,9 +13,10 @@ Model (closed loop, C requests in flight): every step, each live request takes i
 through its own rounds); the policy under test (the real verifier class) picks ell from the logged confidences;
 the request commits min(ell, a) + 1 tokens, where a is the logged number of accepted drafts under verify-all
 (when the log verified fewer than ell and accepted all of them, a is censored and taken as logged: conservative).
-The step lasts 1 / SPS(B) with B = Σ (1 + ell) over the live requests, plus `draft_ms` per speculative step. A
-request that reaches its logged new_tokens leaves and the next one enters at the following step. Throughput =
-tokens / simulated seconds; per-request speed = tokens / (leave - enter), averaged over requests.
+The step lasts 1 / SPS(B) with B = Σ (1 + ell) over the live requests (the slot engine's pricing: by the forward's
+shape, see Pricing), plus `draft_ms` per speculative step. A request that reaches its logged new_tokens leaves and
+the next one enters at the following step. Throughput = tokens / simulated seconds; per-request speed = tokens /
+(leave - enter), averaged over requests.
 
 The schedulers' draft gate is replayed too: a step it skips is plain (no draft_ms, nothing verified, the
 request's logged round kept for its next drafted step), priced by the gate with `draft_ms`.
@@ -38,6 +39,7 @@ import torch
 from dspark.engine.protocol import Proposal
 from dspark.engine.round import backlog_rounds, width_bucket
 from experiments.common import Section, write_result
+from verifiers.prefix_scheduler import forward_seconds
 
 FORMAT = "dspark.trace"
 VERSION = 1
@@ -80,22 +82,23 @@ class _Live:
 
 @dataclass(frozen=True)
 class Pricing:
-    """What a replayed step costs besides the verify forward's 1 / SPS(B).
+    """What a replayed step costs besides its verify forward (`verify_seconds`).
 
-    mode "ragged": a step verifies B = Σ (1 + ell) tokens over the live requests and drafts `draft_ms`; "slots":
-    as the slot engine runs it, every one of the C slots (live or idle) carries the anchor and the bucketed longest
-    ell (dspark.engine.round.width_bucket), B = C (L + 1), and the draft step covers C rows (`draft_seconds(C)`,
-    e.g. a cost table's profiled draft entry, else `draft_ms`), and a request's first new token comes from its
-    admission's prefill, before its first step. `observe_seconds(rows)`, when given, prices the drafter's observe
-    of each step's committed positions, in every step of a speculative decode (plain steps of a gated one too),
-    or, with `deferred_observe` (the engine's backlog, dspark.engine.graphs.defers_observe), for a gated decode's
-    plain steps one observe of all of them, paid at the next drafted step or when 4 verify widths of K + 1 fill,
-    priced as an observe over rows x widths rows (the same positions: its width-(K + 1) price scaled by rows).
-    `step_overhead_ms` is added to every step (the engine's acceptance and CPU bookkeeping) and `admission_ms` to
-    every step that admits requests (one prefill per group of arrivals). `overlap`: the engine's overlapped rounds
-    (dspark.engine.serve.overlap_allowed), each launched before the last one is committed: a verifier hears of a
-    step after the next one has drafted or not (a draft gate lags one step), and a finished request holds its
-    slot one more step (its refill comes a step later; a step with only such rows still runs)."""
+    mode "ragged": a step verifies B = Σ (1 + ell) tokens over the live requests and drafts `draft_ms`; "slots": as
+    the slot engine runs it, every one of the C slots (live or idle) carries the anchor and the bucketed longest ell
+    (dspark.engine.round.width_bucket), a forward of C rows x (L + 1) tokens priced by that shape, and the draft
+    step covers C rows (`draft_seconds(C)`, e.g. a cost table's profiled draft entry, else `draft_ms`), and a
+    request's first new token comes from its admission's prefill, before its first step. `observe_seconds(rows)`,
+    when given, prices the drafter's observe of each step's committed positions, in every step of a speculative
+    decode (plain steps of a gated one too), or, with `deferred_observe` (the engine's backlog,
+    dspark.engine.graphs.defers_observe), for a gated decode's plain steps one observe of all of them, paid at the
+    next drafted step or when 4 verify widths of K + 1 fill, priced as an observe over rows x widths rows (the same
+    positions: its width-(K + 1) price scaled by rows). `step_overhead_ms` is added to every step (the engine's
+    acceptance and CPU bookkeeping) and `admission_ms` to every step that admits requests (one prefill per group of
+    arrivals). `overlap`: the engine's overlapped rounds (dspark.engine.serve.overlap_allowed), each launched before
+    the last one is committed: a verifier hears of a step after the next one has drafted or not (a draft gate lags
+    one step), and a finished request holds its slot one more step (its refill comes a step later; a step with only
+    such rows still runs)."""
 
     mode: str = "ragged"
     draft_ms: float = 0.0
@@ -117,6 +120,15 @@ class Pricing:
     def verify_tokens(self, ell: torch.Tensor, concurrency: int, K: int) -> int:
         """B of one step's verify forward."""
         return concurrency * (width_bucket(int(ell.max()), K) + 1) if self.slots else int((ell + 1).sum())
+
+    def verify_seconds(self, cost, ell: torch.Tensor, concurrency: int, K: int) -> float:
+        """Seconds of one step's verify forward. "slots": C rows of the bucketed width plus the anchor, by the
+        forward's shape where `cost` is a profiled CostModel with its (R, T) grid (as the scheduler and the draft
+        gate price it, verifiers.prefix_scheduler.forward_seconds), else 1 / SPS(C·T); "ragged": 1 / SPS(B)."""
+        if not self.slots:
+            return 1.0 / float(cost(self.verify_tokens(ell, concurrency, K)))
+        width = torch.tensor([width_bucket(int(ell.max()), K) + 1])
+        return float(forward_seconds(cost, concurrency, width)[0])
 
     def draft(self, rows: int) -> float:
         """Seconds of one draft step over `rows` rows."""
@@ -182,7 +194,6 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
             proposal = Proposal(tokens=torch.zeros(R, K, dtype=torch.long), confidence=conf, lengths=proposed)
             ell = torch.minimum(policy.lengths(proposal, K).clamp(0, K), proposed)  # (R,)
         accepted = torch.minimum(ell, logged_acc)  # (R,)
-        B = pricing.verify_tokens(ell, concurrency, K)
         rows = concurrency if pricing.slots else R  # the rows a draft step covers
         observes, flushed = int(policy is not None), 0  # this step's own observe; the backlog's rows x widths
         if policy is not None and pricing.deferred_observe and gate is not None:
@@ -192,7 +203,7 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
                 flushed, backlog = rows * -(-backlog // (K + 1)), 0
         draft_s = (pricing.draft(rows) if drafting else 0.0) + observes * pricing.observe(rows)
         draft_s += pricing.observe(flushed) if flushed else 0.0
-        last_step_s = 1.0 / float(cost(B)) + draft_s + pricing.step_overhead_ms / 1000.0
+        last_step_s = pricing.verify_seconds(cost, ell, concurrency, K) + draft_s + pricing.step_overhead_ms / 1000.0
         now += last_step_s
         steps += 1
         if policy is not None:

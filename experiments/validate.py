@@ -63,10 +63,13 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
             progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Measured and predicted rows at every C; `progress`, when given, receives the result so far after every C but
     the last (main writes it, marked partial: a device call cut short keeps the C it finished)."""
+    import torch
+
     from dspark.engine.graphs import defers_observe
     from experiments.simulator import Pricing, simulate, trace_from_result
     from verifiers import build_verifier
     from verifiers.cost_model import draft_key
+    from verifiers.prefix_scheduler import forward_seconds
 
     _check(opts)
     K = opts.draft_length
@@ -93,9 +96,10 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
         plain = decode(batch, None, None, C)
         e = plain.engine
         admission_ms = 1000 * e["admit_s"] / max(1, e["admissions"])
-        raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds / float(cost(C))) / max(1, plain.rounds)
+        plain_step_s = float(forward_seconds(cost, C, torch.tensor([1]))[0])  # C rows of one token, by shape
+        raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds * plain_step_s) / max(1, plain.rounds)
         # negative when the table prices a step above what the engine took (the constant then corrects the table)
-        constants[C] = {"admission_ms": admission_ms, "step_overhead_ms": raw, "verify_ms_table": 1000 / float(cost(C)),
+        constants[C] = {"admission_ms": admission_ms, "step_overhead_ms": raw, "verify_ms_table": 1000 * plain_step_s,
                         "overlap": e["overlapped"]}
         machine = dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw, overlap=e["overlapped"])
         shared = dict(concurrency=C, cost=cost, requests=len(batch))

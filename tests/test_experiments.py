@@ -466,6 +466,22 @@ def test_simulator_slot_pricing_and_machine_constants():
         Pricing("exact")
 
 
+def test_simulator_prices_a_slot_step_by_its_shape():
+    """With a profiled (R, T) grid a slot step is priced as the scheduler and the draft gate price it, by the
+    forward's own shape: 4 plain slots at their (4, 1) time, not at SPS(4), which is the slower one-row shape."""
+    cost = CostModel.from_points({1: 1000.0, 4: 250.0, 16: 100.0}, points=[
+        {"batch_size": R, "tokens_per_request": T, "tokens": R * T, "step_seconds": ms / 1000}
+        for (R, T), ms in {(1, 1): 1.0, (1, 4): 4.0, (4, 1): 2.0, (4, 4): 5.0}.items()])
+    trace = _trace([3], None, new_tokens=4, n=4)  # one round of 3 + 1 tokens
+    plain = simulate(trace, policy=None, concurrency=4, cost=cost, requests=4, pricing=Pricing("slots"))
+    assert plain["steps"] == 3 and plain["seconds"] == pytest.approx(3 * 0.002)  # not 3 / SPS(4) = 12 ms
+    full = simulate(trace, policy=build_verifier("full"), concurrency=4, cost=cost, requests=4,
+                    pricing=Pricing("slots"))
+    assert full["steps"] == 1 and full["seconds"] == pytest.approx(0.005)  # (4, 4), not 1 / SPS(16) = 10 ms
+    ragged = simulate(trace, policy=None, concurrency=4, cost=cost, requests=4)
+    assert ragged["seconds"] == pytest.approx(4 / 250.0)  # ragged steps keep SPS(B): B = 4 tokens, 4 steps
+
+
 def test_simulator_validation_writes_measured_and_predicted(tmp_path):
     out = tmp_path / "val"
     run("experiment", "simulator_validation", "--host", "random:tiny-llama", "--drafters", "ngram", "--policies",

@@ -58,7 +58,7 @@ def _sps_at(sps: SPS, M: torch.Tensor) -> torch.Tensor:
     return table[M]
 
 
-def _step_seconds(sps: SPS, R: int, width: torch.Tensor) -> torch.Tensor:
+def forward_seconds(sps: SPS, R: int, width: torch.Tensor) -> torch.Tensor:
     """Seconds of a verify forward over R rows of `width` tokens each (long tensor, any shape), float64: by its shape
     from a profiled `CostModel` (`CostModel.step_seconds`), else 1 / SPS(R·width)."""
     if isinstance(sps, CostModel):
@@ -79,7 +79,7 @@ def _theta(a: torch.Tensor, limit: torch.Tensor | None, sps: SPS) -> torch.Tenso
         a = a * (torch.arange(1, K + 1, device=a.device) <= limit.view(R, 1))
     tau = R + torch.cat([a.new_zeros(1), a.sum(0).cumsum(0)])  # (K+1,) τ*(L)
     width = torch.arange(K + 1, device=a.device)  # (K+1,)
-    return tau / _step_seconds(sps, R, width + 1)  # each row carries the anchor plus L drafts
+    return tau / forward_seconds(sps, R, width + 1)  # each row carries the anchor plus L drafts
 
 
 def _at_width(width: torch.Tensor, R: int, limit: torch.Tensor | None) -> torch.Tensor:
@@ -113,7 +113,7 @@ def expected_throughput(a: torch.Tensor, lengths: torch.Tensor, sps: SPS) -> flo
     j = torch.arange(1, K + 1, device=a.device)
     tau = R + (a.double() * (j <= lengths.view(R, 1))).sum()
     width = (lengths.max() if R else lengths.new_zeros(())) + 1
-    return float(tau / _step_seconds(sps, R, width.view(1))[0])
+    return float(tau / forward_seconds(sps, R, width.view(1))[0])
 
 
 def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
@@ -197,7 +197,7 @@ class DraftGate:
         return True
 
     def _seconds(self, rows: int, width: int) -> float:
-        return float(_step_seconds(self.cost, rows, torch.tensor([width]))[0])
+        return float(forward_seconds(self.cost, rows, torch.tensor([width]))[0])
 
     def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
         if not drafted:

@@ -26,7 +26,7 @@ from verifiers.cost_model import CostModel
 
 HERE = Path(__file__).resolve().parent
 K, NEW, SEEDS, CS = 7, 128, (0, 1, 2), (1, 4, 16)
-BY_SHAPE = ps._step_seconds
+BY_SHAPE = ps.forward_seconds
 
 
 def by_tokens(sps, R, width):  # the pricing the run used: 1 / SPS(R * width), the slowest shape of that M
@@ -69,7 +69,7 @@ def replay(folder: Path) -> None:
         measured = {p: rows["dspark", p, C]["tokens_per_s"] / plain_row["tokens_per_s"] for p in ("full", "scheduler")}
         out = {}
         for name, pricing in (("M", by_tokens), ("shape", BY_SHAPE)):
-            ps._step_seconds = pricing
+            ps.forward_seconds = pricing
             ratios = {"full": [], "scheduler": []}
             for trace in traces:
                 n = max(C, 32)
@@ -84,7 +84,7 @@ def replay(folder: Path) -> None:
                                                    deferred_observe=pol == "scheduler", **machine))
                     ratios[pol].append(got["tokens_per_s"] / plain)
             out[name] = {p: statistics.mean(v) for p, v in ratios.items()}
-        ps._step_seconds = BY_SHAPE
+        ps.forward_seconds = BY_SHAPE
         print(f"C = {C:2d}: measured full {measured['full']:.3f} sched {measured['scheduler']:.3f} | replay, gate by M:"
               f" full {out['M']['full']:.3f} sched {out['M']['scheduler']:.3f} | by shape: sched "
               f"{out['shape']['scheduler']:.3f}")
