@@ -24,15 +24,24 @@ Steps, all on this machine:
 The plain rows fit the step overhead, so they are not a test: `max_relative_error` is over the speculative rows
 (the claim to check: within 15 %), `max_relative_error_all` includes the plain ones.
 Writes OUT_DIR/simulator_validation.json (`rows`: measured and predicted tokens/s and tau, relative error;
-`constants` per C; `max_relative_error`), simulator_validation.md and simulator_validation.png.
+`constants` per C with the plain run's timings; `max_relative_error`), simulator_validation.md and
+simulator_validation.png, and keeps what the predictions were made from: cost.json, trace_<drafter>.json and each
+drafter checkpoint's calibration_<drafter>.json. So a change to the simulator or its pricing is checked against a
+past GPU run on any machine, without decoding again:
+
+    dspark experiment simulator_validation --replay benchmarks/h100/simulator_validation_X --out-dir /tmp/again
 """
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
+
+import torch
 
 from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings,
                                 continuous_decode, cost_table, drafter_path, envelope, figure, load_prompts,
@@ -53,6 +62,9 @@ class ValidateOptions:
     cost_table: Optional[str] = field(default=None, metadata={
         "help": "SPS(B) JSON with draft costs from `dspark profile --drafter...` (default: profile this host now)"})
     data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
+    replay: Optional[str] = field(default=None, metadata={
+        "help": "a folder this runner wrote: re-predict its measured rows with today's simulator (no host, no "
+                "decoding; the other options are ignored) into --out-dir"})
 
 
 def _check(opts: ValidateOptions) -> None:
@@ -63,13 +75,10 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
             progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Measured and predicted rows at every C; `progress`, when given, receives the result so far after every C but
     the last (main writes it, marked partial: a device call cut short keeps the C it finished)."""
-    import torch
-
     from dspark.engine.graphs import defers_observe
-    from experiments.simulator import Pricing, simulate, trace_from_result
+    from experiments.simulator import simulate, trace_from_result
     from verifiers import build_verifier
     from verifiers.cost_model import draft_key
-    from verifiers.prefix_scheduler import forward_seconds
 
     _check(opts)
     K = opts.draft_length
@@ -90,37 +99,33 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
 
     traces = {name: trace_from_result(decode(prompts, d, build_verifier("full"), min(opts.concurrency)),
                                       draft_length=K, method=name) for name, d in drafters.items()}
+    for name, trace in traces.items():  # kept, with the calibration the policies read, for `--replay`
+        (out_dir / f"trace_{name}.json").write_text(json.dumps(trace) + "\n")
+        calibration = _calibration_file(run.drafter_paths, name, K)
+        if calibration is not None:
+            shutil.copyfile(calibration, out_dir / f"calibration_{name}.json")
     rows, constants = [], {}
     for C in opts.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(C, len(prompts)))]
         plain = decode(batch, None, None, C)
         e = plain.engine
-        admission_ms = 1000 * e["admit_s"] / max(1, e["admissions"])
-        plain_step_s = float(forward_seconds(cost, C, torch.tensor([1]))[0])  # C rows of one token, by shape
-        raw = 1000 * (plain.seconds - e["admit_s"] - plain.rounds * plain_step_s) / max(1, plain.rounds)
-        # negative when the table prices a step above what the engine took (the constant then corrects the table)
-        constants[C] = {"admission_ms": admission_ms, "step_overhead_ms": raw, "verify_ms_table": 1000 * plain_step_s,
-                        "overlap": e["overlapped"]}
-        machine = dict(mode="slots", admission_ms=admission_ms, step_overhead_ms=raw, overlap=e["overlapped"])
+        constants[C] = _constants({"seconds": plain.seconds, "rounds": plain.rounds, "admit_s": e["admit_s"],
+                                   "admissions": e["admissions"], "overlapped": e["overlapped"]}, cost, C)
         shared = dict(concurrency=C, cost=cost, requests=len(batch))
         any_trace = next(iter(traces.values()), None) or trace_from_result(plain, draft_length=0, method="plain")
-        predicted = simulate(any_trace, policy=None, pricing=Pricing(**machine), **shared)
-        rows.append(_row("plain", "none", C, plain, predicted, fitted=True, K=0))
+        predicted = simulate(any_trace, policy=None, pricing=_pricing(constants[C], cost), **shared)
+        rows.append(_row("plain", "none", C, plain, predicted, fitted=True, K=0, requests=len(batch)))
         for name, drafter in drafters.items():
             key = draft_key(drafter, K)
-            profiled = key in cost.draft
-
-            def draft_seconds(R, key=key, profiled=profiled, step="propose"):
-                return (cost.draft_seconds(key, R, step=step) or 0.0) if profiled else 0.0
-
             for p in opts.policies:
                 verifier = policy(p, name)
                 measured = decode(batch, drafter, verifier, C)
-                pricing = Pricing(draft_seconds=draft_seconds, observe_seconds=partial(draft_seconds, step="observe"),
-                                  deferred_observe=defers_observe(drafter, verifier, K),
-                                  **{**machine, "overlap": measured.engine["overlapped"]})
+                deferred = defers_observe(drafter, verifier, K)
+                pricing = _pricing(constants[C], cost, key=key, deferred=deferred,
+                                   overlapped=measured.engine["overlapped"])
                 predicted = simulate(traces[name], policy=policy(p, name), pricing=pricing, **shared)
-                rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K))
+                rows.append(_row(name, p, C, measured, predicted, fitted=False, K=K, requests=len(batch),
+                                 draft_key=key, deferred_observe=deferred))
                 print(f"C={C:4d} {name}/{p}: measured {rows[-1]['measured_tokens_per_s']:.1f} tok/s, predicted "
                       f"{rows[-1]['predicted_tokens_per_s']:.1f} ({100 * rows[-1]['relative_error']:+.1f} %)",
                       flush=True)
@@ -129,15 +134,112 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
     return _result(rows, constants, K)
 
 
+def _calibration_file(drafter_paths: list[str], name: str, K: int) -> Path | None:
+    """The STS calibration that `build_policy` gives `name`'s confidence-reading policies, if its checkpoint has one."""
+    from dspark.api import CALIBRATION_FILE, checkpoint_dir
+
+    path = drafter_path(drafter_paths, name, K)
+    saved = None if path is None else checkpoint_dir(path) / CALIBRATION_FILE
+    return saved if saved is not None and saved.is_file() else None
+
+
+def _constants(plain: dict, cost, C: int) -> dict:
+    """The machine's constants at C from its plain run's timings (`plain`: seconds, rounds, admit_s, admissions,
+    overlapped; kept in the result as `plain_run`, so that `--replay` refits them under today's pricing):
+    `admission_ms` per group of arrivals, and `step_overhead_ms`, the plain round's time not explained by the
+    table's verify step (C rows of one token, priced by that shape) or by admissions; negative when the table
+    prices the step above what the engine took (the constant then corrects the table)."""
+    from verifiers.prefix_scheduler import forward_seconds
+
+    rounds = max(1, plain["rounds"])
+    step_s = float(forward_seconds(cost, C, torch.tensor([1]))[0])
+    return {"admission_ms": 1000 * plain["admit_s"] / max(1, plain["admissions"]),
+            "step_overhead_ms": 1000 * (plain["seconds"] - plain["admit_s"] - plain["rounds"] * step_s) / rounds,
+            "verify_ms_table": 1000 * step_s, "overlap": plain["overlapped"], "plain_run": dict(plain)}
+
+
+def _pricing(constants: dict, cost, *, key: str | None = None, deferred: bool = False,
+             overlapped: bool | None = None):
+    """The slot pricing of one row: the machine's constants, and for a drafter (`key`, its cost-table entry) its
+    profiled propose and observe (none where unprofiled), its deferred observe and whether its rounds overlapped."""
+    from experiments.simulator import Pricing
+
+    machine = dict(mode="slots", admission_ms=constants["admission_ms"],
+                   step_overhead_ms=constants["step_overhead_ms"],
+                   overlap=constants["overlap"] if overlapped is None else overlapped)
+    if key is None:
+        return Pricing(**machine)
+    profiled = key in cost.draft
+
+    def draft_seconds(R, step="propose"):
+        return (cost.draft_seconds(key, R, step=step) or 0.0) if profiled else 0.0
+    return Pricing(draft_seconds=draft_seconds, observe_seconds=partial(draft_seconds, step="observe"),
+                   deferred_observe=deferred, **machine)
+
+
+def replay(source: str | Path) -> dict:
+    """Re-predict a validation's measured rows with today's simulator and pricing, without a host or decoding:
+    `source` is a folder this runner wrote (its JSON, cost.json, trace_<drafter>.json and any
+    calibration_<drafter>.json). The machine constants are refitted from each C's plain run; the measured values
+    are the folder's. Returns the result part of the document (rows, constants, largest errors)."""
+    from experiments.simulator import load_trace, simulate
+    from verifiers import build_verifier
+    from verifiers.cost_model import CostModel
+
+    source = Path(source)
+    path = source / f"{NAME}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {NAME}.json in {source}: --replay takes a folder this runner wrote")
+    doc = json.loads(path.read_text())
+    K, settings = doc["draft_length"], doc.get("settings", {})
+    plain = {r["concurrency"]: r for r in doc["rows"] if r["fitted"]}
+    tested = [r for r in doc["rows"] if not r["fitted"]]
+    if not tested or any("plain_run" not in c for c in doc["constants"].values()):
+        raise ValueError(f"{path} cannot be replayed: it has no speculative rows, or it was written before "
+                         f"validations kept their traces and plain timings (2026-12-07)")
+    methods = list(dict.fromkeys(r["method"] for r in tested))
+    traces = {}
+    for m in methods:
+        if not (source / f"trace_{m}.json").is_file():
+            raise FileNotFoundError(f"{source} lacks trace_{m}.json, the logged rounds of drafter {m!r}")
+        traces[m] = load_trace(source / f"trace_{m}.json")
+    cost = CostModel.load(source / "cost.json")
+    constants = {int(C): _constants(c["plain_run"], cost, int(C)) for C, c in doc["constants"].items()}
+
+    def predicted_row(r: dict, predicted: dict) -> dict:
+        got = r["measured_tokens_per_s"]
+        return {**r, "predicted_tokens_per_s": predicted["tokens_per_s"], "predicted_tau": predicted["tau"],
+                "relative_error": (predicted["tokens_per_s"] - got) / got, "predicted_steps": predicted["steps"]}
+
+    rows = []
+    for C, r in plain.items():
+        shared = dict(concurrency=C, cost=cost, requests=r["requests"])
+        rows.append(predicted_row(r, simulate(traces[methods[0]], policy=None,
+                                              pricing=_pricing(constants[C], cost), **shared)))
+        for t in (t for t in tested if t["concurrency"] == C):
+            calibration = source / f"calibration_{t['method']}.json"
+            policy = build_verifier(t["policy"], positions=K,
+                                    threshold=settings.get("threshold") if t["policy"] == "threshold" else None,
+                                    cost_table=cost if t["policy"] in ("scheduler", "lagged") else None,
+                                    calibration=calibration if t["policy"] != "full" and calibration.is_file()
+                                    else None)
+            pricing = _pricing(constants[C], cost, key=t["draft_key"], deferred=t["deferred_observe"],
+                               overlapped=t["overlapped"])
+            rows.append(predicted_row(t, simulate(traces[t["method"]], policy=policy, pricing=pricing, **shared)))
+    return _result(rows, constants, K)
+
+
 def _result(rows: list[dict], constants: dict, K: int) -> dict:
-    rows = [{**{k: v for k, v in r.items() if k != "_tau"}, "measured_tau": r["_tau"]} for r in rows]
+    rows = [{**{k: v for k, v in r.items() if k != "_tau"}, "measured_tau": r.get("_tau", r.get("measured_tau"))}
+            for r in rows]
     tested = [abs(r["relative_error"]) for r in rows if not r["fitted"]]
     return {"rows": rows, "constants": dict(constants), "draft_length": K,
             "max_relative_error": max(tested) if tested else None,
             "max_relative_error_all": max(abs(r["relative_error"]) for r in rows)}
 
 
-def _row(method: str, policy: str, C: int, measured, predicted: dict, *, fitted: bool, K: int) -> dict:
+def _row(method: str, policy: str, C: int, measured, predicted: dict, *, fitted: bool, K: int, requests: int,
+         draft_key: str | None = None, deferred_observe: bool = False) -> dict:
     from dspark.metrics import summarize
 
     m = summarize(measured, draft_length=K)
@@ -145,7 +247,8 @@ def _row(method: str, policy: str, C: int, measured, predicted: dict, *, fitted:
     return {"method": method, "policy": policy, "concurrency": C, "fitted": fitted,
             "measured_tokens_per_s": got, "predicted_tokens_per_s": want, "relative_error": (want - got) / got,
             "_tau": m["tau"], "predicted_tau": predicted["tau"], "rounds": measured.rounds,
-            "predicted_steps": predicted["steps"], "overlapped": measured.engine["overlapped"]}
+            "predicted_steps": predicted["steps"], "overlapped": measured.engine["overlapped"],
+            "requests": requests, "draft_key": draft_key, "deferred_observe": deferred_observe}
 
 
 def render(doc: dict, out: Path) -> Section:
@@ -162,6 +265,9 @@ def render(doc: dict, out: Path) -> Section:
                        f"{c.get('overlap', False)} | {c['admission_ms']:.3f} |" for C, c in doc["constants"].items())
     worst = doc["max_relative_error"]
     text = ("**Partial result**: the run stopped before its last concurrency.\n\n" if doc.get("partial") else "")
+    if doc.get("replayed"):
+        text += (f"**Replayed** (`{doc['replayed']['command']}`, {doc['replayed']['environment']['date']}): the "
+                 f"measured rows of `{doc['replayed']['from']}`, predicted again by the simulator of this tree.\n\n")
     text += (f"Largest relative error of a prediction (speculative rows): "
             f"{'n/a' if worst is None else f'{100 * worst:.1f} %'}; with the fitted plain rows: "
             f"{100 * doc['max_relative_error_all']:.1f} %.\n\n" + table
@@ -192,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     h, run, opts = parse([HostOptions, RunOptions, ValidateOptions], argv, prog=f"dspark experiment {NAME}")
+    if opts.replay:
+        return _main_replay(opts.replay, run.out_dir, argv)
     _check(opts)
     host = _host(h)
     prompts = load_prompts(host, opts.data, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
@@ -204,3 +312,22 @@ def main(argv: list[str] | None = None) -> int:
     worst = doc["max_relative_error"]
     print(f"wrote {path}; largest relative error of a prediction: {'n/a' if worst is None else f'{100 * worst:.1f} %'}")
     return 0
+
+
+def _main_replay(source: str, out_dir: str, argv: list[str]) -> int:
+    """`--replay SOURCE`: SOURCE's document (its command, machine and measured rows) with today's predictions,
+    written to out_dir (never over SOURCE's record), the replay's own command, machine and date under `replayed`."""
+    from dspark.quickstart import environment
+
+    if Path(out_dir).resolve() == Path(source).resolve():
+        raise ValueError(f"--out-dir {out_dir} is the replayed folder: write the replay elsewhere, the measured "
+                         f"record stays as it was")
+    result = replay(source)  # checks the folder first
+    doc = {**json.loads((Path(source) / f"{NAME}.json").read_text()), **result}
+    doc["replayed"] = {"from": str(source), "command": f"dspark experiment {NAME} " + " ".join(argv),
+                       "environment": environment(torch.device("cpu"))}
+    path = write_result(doc, out_dir, render)
+    worst = doc["max_relative_error"]
+    print(f"wrote {path}; replayed {source}: largest relative error of a prediction: {100 * worst:.1f} %")
+    return 0
+

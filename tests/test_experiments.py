@@ -518,7 +518,7 @@ def test_simulator_validation_keeps_the_finished_c_when_a_run_is_cut_short(tmp_p
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
-def test_simulator_validation_replays_the_engines_steps(tmp_path, monkeypatch, overlap):
+def test_simulator_validation_replays_the_engines_steps(tmp_path, monkeypatch, capsys, overlap):
     """The replay takes as many steps as the engine ran rounds for plain decoding, with the rounds in order and
     overlapped (forced here on the CPU: a finished request's slot is held one more round, and a round of only such
     rows still runs), and rows say how their rounds ran."""
@@ -535,6 +535,24 @@ def test_simulator_validation_replays_the_engines_steps(tmp_path, monkeypatch, o
     for r in doc["rows"]:
         if r["method"] == "plain":
             assert r["predicted_steps"] == r["rounds"], r
+    # --replay re-predicts the folder's measured rows from its traces, cost table and plain timings alone: with the
+    # simulator unchanged, every prediction comes back as made (policies, draft costs, constants rebuilt faithfully)
+    run("experiment", "simulator_validation", "--replay", str(out), "--out-dir", str(tmp_path / "again"))
+    again = load(tmp_path / "again" / "simulator_validation.json")
+    key = lambda r: (r["method"], r["policy"], r["concurrency"])  # noqa: E731
+    assert sorted(map(key, again["rows"])) == sorted(map(key, doc["rows"])) and again["replayed"]["from"] == str(out)
+    made = {key(r): r for r in doc["rows"]}
+    for r in again["rows"]:
+        assert r["predicted_tokens_per_s"] == pytest.approx(made[key(r)]["predicted_tokens_per_s"], rel=1e-9), r
+        assert r["measured_tokens_per_s"] == made[key(r)]["measured_tokens_per_s"]
+    assert again["max_relative_error"] == pytest.approx(doc["max_relative_error"])
+    assert "Replayed" in (tmp_path / "again" / "simulator_validation.md").read_text()
+    capsys.readouterr()
+    assert cli(["experiment", "simulator_validation", "--replay", str(out), "--out-dir", str(out)]) == 1
+    assert "the measured record stays as it was" in capsys.readouterr().err
+    (out / "trace_dspark.json").unlink()
+    assert cli(["experiment", "simulator_validation", "--replay", str(out), "--out-dir", str(tmp_path / "x")]) == 1
+    assert "lacks trace_dspark.json" in capsys.readouterr().err
 
 
 def test_simulate_cli_and_report(acceptance_dir, concurrency_dir, cost_path, tmp_path):
