@@ -40,7 +40,9 @@
 # CHECKPOINTS=DIR (DIR/<drafter> save_pretrained folders, e.g. from experiments/runs/smollm2_h200.py) makes the
 # DSpark / DFlash / EAGLE-3 rows trained ones (PHASE=train writes /tmp/dspark-run/<drafter>: STEPS, default 400, of
 # experiments/runs/smollm2_h200.py's recipe on its recorded regeneration, TRAIN_DRAFTERS default dspark,eagle3; then
-# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm; WARM_COMPILE=0 skips its compile
+# CHECKPOINTS=/tmp/dspark-run for the later phases while the machine stays warm, or in the same call, e.g.
+# PHASE="train concurrency": each phase looks its folders up as it starts, and a timing phase whose CHECKPOINTS
+# holds none is skipped, said in no_checkpoints.txt, rather than run random; WARM_COMPILE=0 skips its compile
 # warm-up beside EAGLE-3's training; the timing phases first wait, up to
 # TRAIN_GUARD_S = 300 s, for a training PHASE=train left running, else write contended.txt); without it they are
 # random-initialised (tau ~1: the rows then measure the engine's overhead at that tau, and the results say so).
@@ -75,10 +77,18 @@ if [ -f "$STAGE/inductor_cache.tgz" ] && [ ! -f "$STAGE/inductor_cache.unpacked"
   touch "$STAGE/inductor_cache.unpacked"
   echo "inductor cache unpacked into $INDUCTOR_DIR ($(du -sh "$INDUCTOR_DIR" | cut -f1))" >&2
 fi
-paths=()
-if [ -n "${CHECKPOINTS:-}" ]; then
+# CHECKPOINTS' drafter folders, looked up as each phase starts: PHASE="train concurrency" trains them in its first
+# phase (looked up once at the start, that call's timing phases would have run random-initialised drafters)
+checkpoint_paths() {
+  paths=()
+  [ -n "${CHECKPOINTS:-}" ] || return 0
   for d in dspark dflash eagle3; do [ -d "$CHECKPOINTS/$d" ] && paths+=("$d=$CHECKPOINTS/$d"); done
-fi
+  if [ "${#paths[@]}" -eq 0 ]; then
+    echo "CHECKPOINTS=$CHECKPOINTS holds no dspark, dflash or eagle3 folder; $1 skipped (not run random)" \
+      | tee -a "$OUT/no_checkpoints.txt" >&2
+    return 1
+  fi
+}
 compile=()
 if [ -n "${COMPILE:-}" ]; then compile=(--compile "$COMPILE"); fi  # auto (the default: on on CUDA), on or off
 # why: PHASE=train leaves its trainings running detached when the call's limit comes first, and a timing phase that
@@ -111,6 +121,7 @@ tag="$tag${DRAFTER_ADMISSION:+-admission-$DRAFTER_ADMISSION}"
 tag=${tag//=/-}
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
 case "$phase" in speed|llama8b|validate|concurrency|sps8b|profile) wait_for_training "$phase" ;; esac
+case "$phase" in train|pack-cache|gcpause|tests|sps8b) paths=() ;; *) checkpoint_paths "$phase" || continue ;; esac
 case "$phase" in
   tests)
     # bounded (TESTS_TIMEOUT_S, default 420 s) so that a slow or hung test leaves the call's later phases time; -rA
