@@ -121,7 +121,7 @@ tag="$tag${DRAFTER_ADMISSION:+-admission-$DRAFTER_ADMISSION}"
 tag=${tag//=/-}
 for phase in $PHASE; do  # several phases in one call run in turn, e.g. PHASE="tests sps8b"
 case "$phase" in speed|llama8b|validate|concurrency|sps8b|profile) wait_for_training "$phase" ;; esac
-case "$phase" in train|pack-cache|gcpause|tests|sps8b) paths=() ;; *) checkpoint_paths "$phase" || continue ;; esac
+case "$phase" in train|pack-cache|gcpause|tests|sps8b|llama8b) paths=() ;; *) checkpoint_paths "$phase" || continue ;; esac
 case "$phase" in
   tests)
     # bounded (TESTS_TIMEOUT_S, default 420 s) so that a slow or hung test leaves the call's later phases time; -rA
