@@ -89,6 +89,14 @@ def _resolve_built(host: Host, drafter, drafter_path, **overrides):
 CALIBRATION_FILE = "calibration.json"  # STS temperatures saved next to a drafter checkpoint by `dspark calibrate`
 
 
+def saved_calibration(drafter_path) -> Path | None:
+    """The STS calibration saved next to the drafter checkpoint at `drafter_path` (None: no path, or none saved)."""
+    if drafter_path is None:
+        return None
+    saved = checkpoint_dir(drafter_path) / CALIBRATION_FILE
+    return saved if saved.is_file() else None
+
+
 def resolve_verifier(host: Host, verifier=None, *, draft_length: int = 7, drafter_path=None,
                      threshold: float | None = None, cost_table=None, calibration=None, draft_gate: bool = True):
     """A verifier object from a name ("full", "threshold", "scheduler", "lagged") or an object. Calibration
@@ -98,9 +106,8 @@ def resolve_verifier(host: Host, verifier=None, *, draft_length: int = 7, drafte
     if isinstance(verifier, Verifier):
         return verifier
     name = verifier or "full"
-    if calibration is None and name != "full" and drafter_path is not None:
-        saved = checkpoint_dir(drafter_path) / CALIBRATION_FILE
-        calibration = saved if saved.is_file() else None
+    if calibration is None and name != "full":
+        calibration = saved_calibration(drafter_path)
     return build_verifier(name, threshold=threshold, cost_table=cost_table, calibration=calibration,
                           expect_host=host.name, expect_device=host.device, positions=draft_length,
                           draft_gate=draft_gate)

@@ -75,6 +75,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
             progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Measured and predicted rows at every C; `progress`, when given, receives the result so far after every C but
     the last (main writes it, marked partial: a device call cut short keeps the C it finished)."""
+    from dspark.api import saved_calibration
     from dspark.engine.graphs import defers_observe
     from experiments.simulator import simulate, trace_from_result
     from verifiers import build_verifier
@@ -101,7 +102,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
                                       draft_length=K, method=name) for name, d in drafters.items()}
     for name, trace in traces.items():  # kept, with the calibration the policies read, for `--replay`
         (out_dir / f"trace_{name}.json").write_text(json.dumps(trace) + "\n")
-        calibration = _calibration_file(run.drafter_paths, name, K)
+        calibration = saved_calibration(drafter_path(run.drafter_paths, name, K))  # what build_policy applies
         if calibration is not None:
             shutil.copyfile(calibration, out_dir / f"calibration_{name}.json")
     rows, constants = [], {}
@@ -132,15 +133,6 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
         if progress is not None and C != opts.concurrency[-1]:
             progress(_result(rows, constants, K))
     return _result(rows, constants, K)
-
-
-def _calibration_file(drafter_paths: list[str], name: str, K: int) -> Path | None:
-    """The STS calibration that `build_policy` gives `name`'s confidence-reading policies, if its checkpoint has one."""
-    from dspark.api import CALIBRATION_FILE, checkpoint_dir
-
-    path = drafter_path(drafter_paths, name, K)
-    saved = None if path is None else checkpoint_dir(path) / CALIBRATION_FILE
-    return saved if saved is not None and saved.is_file() else None
 
 
 def _constants(plain: dict, cost, C: int) -> dict:
@@ -181,7 +173,7 @@ def replay(source: str | Path) -> dict:
     """Re-predict a validation's measured rows with today's simulator and pricing, without a host or decoding:
     `source` is a folder this runner wrote (its JSON, cost.json, trace_<drafter>.json and any
     calibration_<drafter>.json). The machine constants are refitted from each C's plain run; the measured values
-    are the folder's. Returns the result part of the document (rows, constants, largest errors)."""
+    are the folder's. Returns the folder's document with the new rows, constants and largest errors."""
     from experiments.simulator import load_trace, simulate
     from verifiers import build_verifier
     from verifiers.cost_model import CostModel
@@ -226,12 +218,10 @@ def replay(source: str | Path) -> dict:
             pricing = _pricing(constants[C], cost, key=t["draft_key"], deferred=t["deferred_observe"],
                                overlapped=t["overlapped"])
             rows.append(predicted_row(t, simulate(traces[t["method"]], policy=policy, pricing=pricing, **shared)))
-    return _result(rows, constants, K)
+    return {**doc, **_result(rows, constants, K)}
 
 
 def _result(rows: list[dict], constants: dict, K: int) -> dict:
-    rows = [{**{k: v for k, v in r.items() if k != "_tau"}, "measured_tau": r.get("_tau", r.get("measured_tau"))}
-            for r in rows]
     tested = [abs(r["relative_error"]) for r in rows if not r["fitted"]]
     return {"rows": rows, "constants": dict(constants), "draft_length": K,
             "max_relative_error": max(tested) if tested else None,
@@ -246,7 +236,7 @@ def _row(method: str, policy: str, C: int, measured, predicted: dict, *, fitted:
     got, want = m["tokens_per_s"], predicted["tokens_per_s"]
     return {"method": method, "policy": policy, "concurrency": C, "fitted": fitted,
             "measured_tokens_per_s": got, "predicted_tokens_per_s": want, "relative_error": (want - got) / got,
-            "_tau": m["tau"], "predicted_tau": predicted["tau"], "rounds": measured.rounds,
+            "measured_tau": m["tau"], "predicted_tau": predicted["tau"], "rounds": measured.rounds,
             "predicted_steps": predicted["steps"], "overlapped": measured.engine["overlapped"],
             "requests": requests, "draft_key": draft_key, "deferred_observe": deferred_observe}
 
@@ -322,8 +312,7 @@ def _main_replay(source: str, out_dir: str, argv: list[str]) -> int:
     if Path(out_dir).resolve() == Path(source).resolve():
         raise ValueError(f"--out-dir {out_dir} is the replayed folder: write the replay elsewhere, the measured "
                          f"record stays as it was")
-    result = replay(source)  # checks the folder first
-    doc = {**json.loads((Path(source) / f"{NAME}.json").read_text()), **result}
+    doc = replay(source)
     doc["replayed"] = {"from": str(source), "command": f"dspark experiment {NAME} " + " ".join(argv),
                        "environment": environment(torch.device("cpu"))}
     path = write_result(doc, out_dir, render)
