@@ -148,10 +148,10 @@ def build_policy(host, policy: str, *, draft_length: int, path: str | None, thre
     """The verifier for a policy name (full, threshold, scheduler, lagged) at this gamma, with the drafter
     checkpoint's STS calibration when it has one (the threshold is on cumulative survival a_k)."""
     from dspark.api import resolve_verifier
+    from verifiers import policy_options
 
     return resolve_verifier(host, policy, draft_length=draft_length, drafter_path=path,
-                            threshold=threshold if policy == "threshold" else None,
-                            cost_table=cost if policy in ("scheduler", "lagged") else None)
+                            **policy_options(policy, threshold=threshold, cost_table=cost))
 
 
 def workload_context(prompts: list[list[int]], max_new_tokens: int) -> int:

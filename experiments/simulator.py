@@ -253,7 +253,7 @@ class SimulateOptions:
 
 
 def run(opts: SimulateOptions, cost) -> list[dict]:
-    from verifiers import build_verifier
+    from verifiers import build_verifier, policy_options
 
     rows = []
     for path in opts.traces:
@@ -265,8 +265,7 @@ def run(opts: SimulateOptions, cost) -> list[dict]:
             rows.append({"method": "plain", "policy": "none", "draft_length": 0, "concurrency": C, "engine": "replay",
                          "trace": path, **simulate(trace, policy=None, concurrency=C, cost=cost, requests=n)})
             for name in opts.policies:
-                policy = build_verifier(name, threshold=opts.threshold if name == "threshold" else None,
-                                        cost_table=cost if name in ("scheduler", "lagged") else None)
+                policy = build_verifier(name, **policy_options(name, threshold=opts.threshold, cost_table=cost))
                 rows.append({"method": trace.get("method", "?"), "policy": name,
                              "draft_length": trace["draft_length"], "concurrency": C, "engine": "replay",
                              "trace": path, **simulate(trace, policy=policy, concurrency=C, cost=cost, requests=n,

@@ -175,7 +175,7 @@ def replay(source: str | Path) -> dict:
     calibration_<drafter>.json). The machine constants are refitted from each C's plain run; the measured values
     are the folder's. Returns the folder's document with the new rows, constants and largest errors."""
     from experiments.simulator import load_trace, simulate
-    from verifiers import build_verifier
+    from verifiers import build_verifier, policy_options
     from verifiers.cost_model import CostModel
 
     source = Path(source)
@@ -211,8 +211,7 @@ def replay(source: str | Path) -> dict:
         for t in (t for t in tested if t["concurrency"] == C):
             calibration = source / f"calibration_{t['method']}.json"
             policy = build_verifier(t["policy"], positions=K,
-                                    threshold=settings.get("threshold") if t["policy"] == "threshold" else None,
-                                    cost_table=cost if t["policy"] in ("scheduler", "lagged") else None,
+                                    **policy_options(t["policy"], threshold=settings.get("threshold"), cost_table=cost),
                                     calibration=calibration if t["policy"] != "full" and calibration.is_file()
                                     else None)
             pricing = _pricing(constants[C], cost, key=t["draft_key"], deferred=t["deferred_observe"],

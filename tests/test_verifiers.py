@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark.engine.protocol import Proposal
-from verifiers import VERIFIERS, build_verifier
+from verifiers import VERIFIERS, build_verifier, policy_options
 from verifiers.calibration import STSCalibrator
 from verifiers.cost_model import CostModel, verify_tokens
 from verifiers.prefix_scheduler import (LaggedCapacityScheduler, PrefixScheduler, exhaustive_optimum,
@@ -238,6 +238,16 @@ def test_lagged_verifies_the_old_rounds_width_and_follows_select():
     assert v.lengths(proposal(cur, lengths=torch.tensor([1, K])), K).tolist() == [1, int(v.capacity())]
     v.begin(batch_size=2)
     assert len(v.history) == 0
+
+
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_policy_options_give_each_policy_what_it_takes(name):
+    """A sweep shares one threshold and one cost table among its policies; each gets only its own."""
+    cost = CostModel.flat()
+    options = policy_options(name, threshold=0.5, cost_table=cost)
+    assert (options["threshold"] is not None) == (name == "threshold")
+    assert (options["cost_table"] is cost) == (name in ("scheduler", "lagged", "global-unsafe"))
+    assert isinstance(build_verifier(name, **options), VERIFIERS[name])
 
 
 def test_build_verifier_errors(tmp_path):

@@ -24,6 +24,14 @@ VERIFIERS: dict[str, type[Verifier]] = {
 _COSTED = ("scheduler", "lagged", "global-unsafe")
 
 
+def policy_options(name: str, *, threshold: float | None = None, cost_table=None) -> dict:
+    """The part of a sweep's shared settings that policy `name` takes, as build_verifier keywords: the threshold
+    only for "threshold", the cost table only for the schedulers (build_verifier rejects the rest, so a sweep over
+    several policies passes each one its own)."""
+    return {"threshold": threshold if name == "threshold" else None,
+            "cost_table": cost_table if name in _COSTED else None}
+
+
 def build_verifier(name: str, *, threshold: float | None = None, threshold_mode: str = "cumulative",
                    cost_table: CostModel | str | Path | None = None,
                    calibration: STSCalibrator | str | Path | None = None,
