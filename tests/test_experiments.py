@@ -175,15 +175,19 @@ def test_concurrency_profiles_a_cost_table_when_none_is_given(tmp_path):
 
 
 def test_timed_decodes_are_warmed_up_on_cuda_only():
+    """On CUDA an untimed decode of C requests comes first, with the timed decode's budget and its longest prompt:
+    the cache it sizes (longest prompt + budget) is the timed one's, so the allocator is grown before the timing."""
     calls = []
 
     def decode(host, prompts, *, concurrency, max_new_tokens, **kw):
-        calls.append((len(prompts), max_new_tokens))
+        calls.append(([len(p) for p in prompts], max_new_tokens))
         return "result"
-    for device, want in (("cpu", [(6, 64)]), ("cuda", [(2, 8), (6, 64)])):
+    prompts = [[1] * n for n in (3, 2, 9, 4, 5, 1)]
+    for device, want in (("cpu", [([3, 2, 9, 4, 5, 1], 64)]),
+                         ("cuda", [([9, 3], 64), ([3, 2, 9, 4, 5, 1], 64)])):
         calls.clear()
         host = type("FakeHost", (), {"device": device})()
-        assert warmed(decode)(host, [[1]] * 6, concurrency=2, max_new_tokens=64, drafter=None) == "result"
+        assert warmed(decode)(host, prompts, concurrency=2, max_new_tokens=64, drafter=None) == "result"
         assert calls == want
 
 
