@@ -213,3 +213,39 @@ def test_export_engine_json(tmp_path):
     assert json.loads((tmp_path / "n.json").read_text())["sts"] is None
     with pytest.raises(ValueError, match="> 0"):
         export_engine_json(tmp_path / "x.json", cost=cost, sts_temperatures=[0.0])
+
+
+def test_profiles_time_the_slot_engines_cache(tiny_host, tmp_path, monkeypatch):
+    """The host's and the drafter's caches that the profilers allocate for a workload's context (longest prompt
+    plus budget) are the ones the slot engine decodes that workload with: a captured round attends over its whole
+    cache, so a profile over another length times another forward (an unaligned one pays SDPA's mask padding)."""
+    from dspark.engine.decode import generate
+    from tests.conftest import random_prompts
+    from tests.test_decode import K, build_any
+    from verifiers.cost_model import profile_draft
+
+    drafter = build_any("dspark", tiny_host, tmp_path)
+    lengths = {"host": set(), "drafter": set()}
+    new_cache, begin = tiny_host.new_cache, drafter.begin
+
+    def spy_cache(batch_size, max_len):
+        lengths["host"].add(max_len)
+        return new_cache(batch_size, max_len)
+
+    def spy_begin(*, host, batch_size, max_len):
+        lengths["drafter"].add(max_len)
+        return begin(host=host, batch_size=batch_size, max_len=max_len)
+    monkeypatch.setattr(tiny_host, "new_cache", spy_cache)
+    monkeypatch.setattr(drafter, "begin", spy_begin)
+    prompts = random_prompts([5, 23, 9], tiny_host.vocab_size, seed=3)
+    generate(tiny_host, prompts, drafter=drafter, draft_length=K, max_new_tokens=40, concurrency=2)
+    engine = {k: set(v) for k, v in lengths.items()}
+    assert engine["host"] == engine["drafter"] and len(engine["host"]) == 1
+    for v in lengths.values():
+        v.clear()
+    context = 23 + 40
+    profile(tiny_host, batch_sizes=[1, 2], tokens_per_request=[1, 2, K + 1], context=context, repeats=1, warmup=0)
+    assert lengths["host"] == engine["host"]
+    lengths["host"].clear()
+    profile_draft(tiny_host, drafter, batch_sizes=[1, 2], draft_length=K, context=context, repeats=1, warmup=0)
+    assert lengths["host"] == lengths["drafter"] == engine["host"]

@@ -65,6 +65,7 @@ import torch
 
 from dspark.engine.compiled import drafter_fn
 from dspark.engine.jsonio import read_versioned_json, write_json_atomic
+from dspark.engine.kv_cache import slot_cache_length
 from dspark.engine.protocol import DraftState, Drafter, graph_shapes
 from dspark.engine.sampling import SamplingConfig
 
@@ -72,9 +73,6 @@ FORMAT = "dspark.cost_model"
 ENGINE_FORMAT = "dspark.engine"
 VERSION = 1
 MODES = ("eager", "graph")
-#: cache positions beyond context + T allocated when profiling, so the host's bucketed attention window (a
-#: multiple of 64 positions, dspark.engine.host._bucket) is never cut short by the end of the cache
-ATTEND_SLACK = 64
 
 
 def device_description(device: torch.device | str) -> str:
@@ -332,10 +330,13 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
             warmup: int = 3, mode: str = "auto", seed: int = 0) -> CostModel:
     """Time the decode loop's verify step at every (R, T) of the grid and return the SPS(M = R*T) table.
 
-    Each point: a fresh cache of R requests holding `context` positions, random tokens (R, T), `warmup` untimed
-    steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for a round at
-    that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same (bucketed) cache
-    prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
+    Each point: a fresh cache of R requests holding `context` positions, as long as the slot engine's for requests
+    of `context` positions (prompt plus budget) verifying up to max(tokens_per_request) tokens a row
+    (dspark.engine.kv_cache.slot_cache_length: a captured round attends over all of it, and an unaligned length
+    would time SDPA's mask padding, which the engine's aligned cache does not pay), random tokens (R, T), `warmup`
+    untimed steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for
+    a round at that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same
+    (bucketed) cache prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
     the same context. A timed step includes the LM head over every position and the argmax over the logits (what
     the round's greedy acceptance reads). CUDA is synchronised around each timed step. `mode` "graph" (the default
     on CUDA, see resolve_mode) times the step as the slot engine runs it there: captured once per point as a CUDA
@@ -353,11 +354,11 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
     mode = resolve_mode(mode, device)
     g = torch.Generator().manual_seed(seed)
     points = []
+    # the eager path's window, context + T rounded up to 64 positions (dspark.engine.host._bucket), fits it too
+    cache_length = slot_cache_length(context, max(tokens_per_request) - 1)
     for R in batch_sizes:
         for T in tokens_per_request:
-            # why the slack: the host rounds `attend` up to its bucket; the cache must be at least that long, as
-            # the loop's (prompt + max_new_tokens + K + 2 positions) is
-            cache = host.new_cache(R, context + T + ATTEND_SLACK)
+            cache = host.new_cache(R, cache_length)
             cache.advance(torch.full((R,), context, dtype=torch.long, device=device))
             tokens = torch.randint(host.vocab_size, (R, T), generator=g).to(device)  # (R, T)
             n_valid = torch.full((R,), T, dtype=torch.long, device=device)  # (R,)
@@ -414,7 +415,7 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
     g = torch.Generator().manual_seed(seed)
     seconds, observe_seconds = [], []
     for R in sorted(set(batch_sizes)):
-        max_len = context + 1 + draft_length + ATTEND_SLACK
+        max_len = slot_cache_length(context, draft_length)  # the engine's, which the drafter's caches follow
         seq = torch.randint(host.vocab_size, (R, max_len), generator=g).to(device)  # (R, max_len)
         filled = torch.full((R,), context, dtype=torch.long, device=device)
         cache = host.new_cache(R, max_len)

@@ -20,6 +20,14 @@ def aligned_length(n: int) -> int:
     return -(-n // 64) * 64
 
 
+def slot_cache_length(longest: int, K: int) -> int:
+    """Positions per slot of the slot engine's cache for requests whose prompt plus new-token budget is at most
+    `longest`, drafting K tokens a round: room for a round of K drafts and the bonus token past the budget,
+    aligned. The cost profiles allocate the same (verifiers.cost_model), so that they time the forwards the engine
+    runs: a captured round attends over the whole cache, whose length is part of its cost."""
+    return aligned_length(longest + K + 2)
+
+
 class KVCache:
     """Keys and values of every layer for a batch of requests."""
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.graphs import round_runner
-from dspark.engine.kv_cache import aligned_length
+from dspark.engine.kv_cache import slot_cache_length
 from dspark.engine.results import RoundLog
 from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, SEQ_LEN, VERIFIED
 from dspark.engine.slots import Request, Slots
@@ -230,7 +230,7 @@ def serve(host, requests: list[Request], *, drafter, verifier, K: int, sampling,
     """Decode every request with at most `concurrency` in flight, writing into `sink`; `overlap` as in
     overlap_allowed (None: on OVERLAP_DEVICES)."""
     C = max(1, min(concurrency, len(requests)))
-    max_len = aligned_length(max(len(r.prompt) for r in requests) + max(r.limit for r in requests) + K + 2)
+    max_len = slot_cache_length(max(len(r.prompt) for r in requests) + max(r.limit for r in requests), K)
     use_graphs = host.device.type == "cuda" if graphs is None else graphs
     slots = Slots(host, drafter, verifier, capacity=C, max_len=max_len, sampling=sampling,
                   prefill=prefill_mode(use_graphs), drafter_prefill=None if CAPTURE_DRAFTER_ADMISSION else "eager")
