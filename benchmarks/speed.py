@@ -89,9 +89,12 @@ def engine_run(host, ids, C: int, drafter=None, K: int = 7, overlap: bool | None
     # warm-up: C requests, then every other distinct prompt of the row, so that each prompt's shapes (prefill
     # buckets, a drafter's eager admission) have run once before the timing; with ids[:C] alone a row at C = 1 met
     # five of its six prompts first in the timed decodes (changed 2026-12-06, eighth session, after EAGLE-3's
-    # admissions were seen to cost 19 ms each at C = 1 against 3 ms for DSpark's: RESULTS)
+    # admissions were seen to cost 19 ms each at C = 1 against 3 ms for DSpark's: RESULTS). With the timed budget:
+    # the cache is sized by the longest prompt plus the budget, and an 8-token warm-up left the first timed decode
+    # to grow the allocator in its window (seen in the experiments' rows at C = 64 on 2026-12-07, thirteenth
+    # session: plain's one admission 0.11 s against 0.02 s for the row after it; perhaps the 40 % above, unchecked)
     warm = list(ids[:C]) + [p for p in {tuple(p): list(p) for p in ids}.values() if p not in ids[:C]]
-    generate(host, warm, max_new_tokens=8, **kw)
+    generate(host, warm, max_new_tokens=NEW, **kw)
     sync()
     outs = []
     for _ in range(REPEATS):
