@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.api import load_host  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from experiments.common import (build_drafters, build_policy, engine_stats, load_prompts,  # noqa: E402
-                                sampling_config)
+                                sampling_config, warm_up_prompts)
 
 #: CUDA runtime calls in which the CPU waits for the device
 BLOCKING = ("cudaEventSynchronize", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         def decode(prompts=batch, new=args.new):
             return generate(host, prompts, drafter=d, verifier=verifier(), draft_length=K, max_new_tokens=new,
                             sampling=sampling_config(0.0), seed=0, concurrency=args.concurrency)
-        decode(batch[: args.concurrency], min(8, args.new))  # first-use costs out of the profiled decodes
+        decode(warm_up_prompts(batch, args.concurrency))  # first-use costs (and the cache's growth) out of the profile
         profile = cProfile.Profile()
         profile.enable()
         out = decode()

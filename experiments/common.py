@@ -219,11 +219,17 @@ def warmed(decode: Callable[..., GenerationResult]) -> Callable[..., GenerationR
     it captures are per decode and already left out of the timing (their warm-up is subtracted)."""
     def run(host, prompts, *, concurrency: int, max_new_tokens: int, **kw) -> GenerationResult:
         if torch.device(host.device).type == "cuda" and prompts:
-            longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-            warm = [prompts[longest]] + [p for i, p in enumerate(prompts) if i != longest][: concurrency - 1]
-            decode(host, warm, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
+            decode(host, warm_up_prompts(prompts, concurrency), concurrency=concurrency,
+                   max_new_tokens=max_new_tokens, **kw)
         return decode(host, prompts, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
     return run
+
+
+def warm_up_prompts(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """C of `prompts` for a warm-up decode whose cache is the timed decode's: the longest first (the slot engine
+    sizes its cache by the longest prompt plus the budget), then the first others."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [prompts[longest]] + [p for i, p in enumerate(prompts) if i != longest][: concurrency - 1]
 
 
 #: engine name -> decode function
