@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.api import load_host  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
+from dspark.engine.workload import warm_up_prompts  # noqa: E402
 from experiments.common import (build_drafters, build_policy, engine_stats, load_prompts,  # noqa: E402
-                                sampling_config, warm_up_prompts)
+                                sampling_config)
 
 #: CUDA runtime calls in which the CPU waits for the device
 BLOCKING = ("cudaEventSynchronize", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",

@@ -38,8 +38,8 @@ from dspark.engine.kv_cache import aligned_length  # noqa: E402
 from dspark.engine.protocol import NoDrafter, VerifyAll  # noqa: E402
 from dspark.engine.sampling import SamplingConfig  # noqa: E402
 from dspark.engine.slots import Request, Slots  # noqa: E402
+from dspark.engine.workload import warm_up_prompts  # noqa: E402
 from dspark.metrics import summarize  # noqa: E402
-from experiments.common import warm_up_prompts  # noqa: E402
 
 K = 7
 METHODS = ("plain", "ngram", "dflash", "dspark", "eagle3")

@@ -21,6 +21,7 @@ import torch
 from dspark.engine.decode import generate
 from dspark.engine.results import GenerationResult
 from dspark.engine.sampling import SamplingConfig
+from dspark.engine.workload import warm_up_prompts
 from dspark.metrics import summarize
 
 #: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). Math is
@@ -223,13 +224,6 @@ def warmed(decode: Callable[..., GenerationResult]) -> Callable[..., GenerationR
                    max_new_tokens=max_new_tokens, **kw)
         return decode(host, prompts, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
     return run
-
-
-def warm_up_prompts(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
-    """C of `prompts` for a warm-up decode whose cache is the timed decode's: the longest first (the slot engine
-    sizes its cache by the longest prompt plus the budget), then the first others."""
-    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [prompts[longest]] + [p for i, p in enumerate(prompts) if i != longest][: concurrency - 1]
 
 
 #: engine name -> decode function

@@ -304,6 +304,27 @@ def test_bench_command_writes_one_row_per_method_and_concurrency(tmp_path):
     assert rows[1]["mean_in_flight"] > 1  # four slots were kept busy
 
 
+def test_bench_warms_each_row_up_on_cuda_over_the_timed_cache(monkeypatch):
+    """On CUDA every (method, C) row follows an untimed decode of C requests, the longest prompt among them and the
+    same budget (the cache the timed decode allocates); on the CPU none."""
+    import types
+
+    import dspark.engine.workload as workload
+
+    calls = []
+    monkeypatch.setattr(workload, "run_workload", lambda host, prompts, *, concurrency, drafter, **kw: calls.append(
+        ([len(p) for p in prompts], concurrency, drafter, kw["max_new_tokens"])) or {"concurrency": concurrency})
+    prompts = [[1] * n for n in (3, 2, 9, 4)]
+    for device, warm in (("cpu", False), ("cuda", True)):
+        calls.clear()
+        host = types.SimpleNamespace(device=torch.device(device))
+        rows = workload.bench(host, prompts, {"plain": None}, [1, 2], max_new_tokens=16)
+        assert [r["concurrency"] for r in rows] == [1, 2]
+        timed = [3, 2, 9, 4]
+        want = [([9], 1, None, 16), (timed, 1, None, 16), ([9, 3], 2, None, 16), (timed, 2, None, 16)]
+        assert calls == (want if warm else [want[1], want[3]])
+
+
 def test_bench_takes_the_prompts_of_an_eval_source(tmp_path, monkeypatch, capsys):
     """--data SOURCE: the prompts `dspark eval --data SOURCE` decodes (its held-out split; all of an evaluation
     set), recorded in bench.json; a host without a tokenizer is told to use the built-in prompts."""
