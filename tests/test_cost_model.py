@@ -244,8 +244,10 @@ def test_profiles_time_the_slot_engines_cache(tiny_host, tmp_path, monkeypatch):
     for v in lengths.values():
         v.clear()
     context = 23 + 40
-    profile(tiny_host, batch_sizes=[1, 2], tokens_per_request=[1, 2, K + 1], context=context, repeats=1, warmup=0)
-    assert lengths["host"] == engine["host"]
+    cost = profile(tiny_host, batch_sizes=[1, 2], tokens_per_request=[1, 2, K + 1], context=context, repeats=1,
+                   warmup=0)
+    assert lengths["host"] == engine["host"] == {cost.cache_length}  # and the table says so
     lengths["host"].clear()
-    profile_draft(tiny_host, drafter, batch_sizes=[1, 2], draft_length=K, context=context, repeats=1, warmup=0)
-    assert lengths["host"] == lengths["drafter"] == engine["host"]
+    entry = profile_draft(tiny_host, drafter, batch_sizes=[1, 2], draft_length=K, context=context, repeats=1,
+                          warmup=0)
+    assert lengths["host"] == lengths["drafter"] == engine["host"] == {entry["cache_length"]}

@@ -5,9 +5,10 @@ code B is always requests), R * T both when
 profiling and when scheduling: the decode loop verifies on a rectangular (R, L + 1) batch, L = max_r ell_r, so a
 round costs `verify_tokens` = R·(L + 1) tokens however the drafts are split between requests.
 
-What is timed is the loop's own verify call: each request holds `context` cached positions and the step attends
-the prefix the loop attends at that length (`host.step(..., attend=context + T)`, bucketed by the host), not the
-whole preallocated cache.
+What is timed is the loop's own verify call: each request holds `context` cached positions in a cache as long as
+the slot engine allocates for that context, and the step attends the prefix the eager loop attends at that length
+(`host.step(..., attend=context + T)`, bucketed by the host), or in graph mode the whole cache, as the slot engine's
+captured rounds do.
 
 The table is a list of profiled points (M_i, SPS_i) with M_i strictly increasing. Between points SPS is linearly
 interpolated. Below the first point it is clamped to SPS(M_0) (a smaller forward is never assumed faster than the
@@ -28,14 +29,17 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     batch_sizes                profiled numbers of requests R
     tokens_per_request         profiled tokens per request T
     context                    cached positions per request while timing (0 in hand-made tables)
+    cache_length               positions per request of the cache the steps ran over: the slot engine's for
+                               `context` (`kv_cache.slot_cache_length`); 0 where not recorded (hand-made tables,
+                               and tables profiled before 2026-12-07, over context + T + 64 positions per point)
     tokens                     M grid (int, strictly increasing)
     sps                        verify steps per second at each M (float > 0)
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
                                median over repeats; [] for hand-made tables
     draft                      the drafter's own propose step (`profile_draft`), {} when not profiled:
                                {draft_key: {"batch_sizes": [R], "seconds": [s], "observe_seconds": [s],
-                               "context": n, "mode": m, "dtype": the drafter's weights, or null}}
-                               (observe_seconds, dtype: absent in older tables),
+                               "context": n, "cache_length": n, "mode": m, "dtype": the drafter's weights, or
+                               null}} (observe_seconds, dtype, cache_length: absent in older tables),
                                draft_key = "<drafter name>/K<draft length>/<parameter count>"
 When several (R, T) give the same M the slower one enters the table (conservative); the schedulers price a forward
 by its shape instead, `step_seconds(R, T)` from `points`, where the grid covers it. `to_csv` writes the columns
@@ -98,6 +102,7 @@ class CostModel:
     batch_sizes: list[int] = field(default_factory=list)
     tokens_per_request: list[int] = field(default_factory=list)
     context: int = 0
+    cache_length: int = 0  # 0: not recorded (see the module docstring)
     points: list[dict] = field(default_factory=list)
     # the drafter's own propose step, per drafter and draft length (`draft_key`): {key: {"batch_sizes": [R],
     # "seconds": [s]}}, from `profile_draft`; the scheduler adds it to the price of a speculative round
@@ -383,7 +388,8 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
                                  host=host.name, device=device_description(device), dtype=str(host.dtype),
                                  mode=mode, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                  torch_version=torch.__version__, batch_sizes=list(batch_sizes),
-                                 tokens_per_request=list(tokens_per_request), context=context, points=points)
+                                 tokens_per_request=list(tokens_per_request), context=context,
+                                 cache_length=cache_length, points=points)
 
 
 def draft_key(drafter, K: int) -> str:
@@ -446,7 +452,8 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
         del cache
     dtype = next((str(t.dtype) for t in getattr(drafter, "parameters", lambda: ())() if t.is_floating_point()), None)
     return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "observe_seconds": observe_seconds,
-            "context": context, "mode": mode, "dtype": dtype}
+            "context": context, "cache_length": slot_cache_length(context, draft_length), "mode": mode,
+            "dtype": dtype}
 
 
 def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: list[float] | None) -> None:
