@@ -9,20 +9,26 @@ Trace (format "dspark.trace", version 1; written by `dspark experiment acceptanc
     requests    [{"new_tokens": n, "proposed": [..], "verified": [..], "accepted": [..],
                   "confidence": [[c_1..c_K], ..] or null}]   one entry per logged round, in order
 
-Model (closed loop, C requests in flight): every step, each live request takes its next logged round (cycling
-through its own rounds); the policy under test (the real verifier class) picks ell from the logged confidences;
-the request commits min(ell, a) + 1 tokens, where a is the logged number of accepted drafts under verify-all
-(when the log verified fewer than ell and accepted all of them, a is censored and taken as logged: conservative).
+Model (closed loop, C requests in flight): every step, each live request takes the logged round that covers its
+position (the tokens it has committed; `logged_round`): at a round's start, that round as logged; d tokens into
+it, the rest of it (its accepted drafts less d, its confidences from position d on). A verify-all replay so takes
+the logged rounds one after another; a plain step or a partial verify moves a request fewer tokens than the log
+did, and it meets the drafter where the logged decode stood at that position, not at the log's next round (so a
+drafter whose acceptance comes in bursts, as an n-gram's does, is probed inside a burst as often as the text is
+in one). The policy under test (the real verifier class) picks ell from those confidences; the request commits
+min(ell, a) + 1 tokens, where a is the logged number of accepted drafts under verify-all (when the log verified
+fewer than ell and accepted all of them, a is censored and taken as logged: conservative).
 The step lasts 1 / SPS(B) with B = Σ (1 + ell) over the live requests (the slot engine's pricing: by the forward's
 shape, see Pricing), plus `draft_ms` per speculative step. A request that reaches its logged new_tokens leaves and
 the next one enters at the following step. Throughput = tokens / simulated seconds; per-request speed = tokens /
 (leave - enter), averaged over requests.
 
-The schedulers' draft gate is replayed too: a step it skips is plain (no draft_ms, nothing verified, the
-request's logged round kept for its next drafted step), priced by the gate with `draft_ms`.
+The schedulers' draft gate is replayed too: a step it skips is plain (no draft_ms, nothing verified, one token
+per request), priced by the gate with `draft_ms`.
 
-Approximations, stated: rounds are replayed as logged, so a policy that verifies fewer drafts does not change what
-is drafted next (in a real decode the next round starts elsewhere); drafting cost is one constant per step; the
+Approximations, stated: a round is replayed from the logged round at the same position, so drafts proposed from
+a position the logged decode passed through mid-round are taken to be that round's remaining drafts (what the
+drafter would propose afresh from there is not logged); drafting cost is one constant per step; the
 lagged scheduler's history restarts whenever the set of live requests changes. The GPU check of these predictions
 against measured runs belongs with the continuous-batching engine.
 Writes OUT_DIR/simulate.json (`rows` as concurrency.json's, engine "replay"; `break_even`), simulate.md and PNGs.
@@ -75,9 +81,39 @@ def load_trace(path: str | Path) -> dict:
 class _Live:
     serial: int  # admission order: identifies the request (ids of freed objects get reused)
     trace: dict
+    starts: list[int]  # the position (tokens committed before it) at which each logged round began
     start: float
-    round: int = 0
     tokens: int = 0
+
+
+def round_starts(request: dict, first: int) -> list[int]:
+    """Where each logged round of a trace request began: the tokens committed before it, `first` of them before any
+    round (1 where the admission's prefill draws the first token, as the slot engine's does)."""
+    starts, at = [], first
+    for a in request["accepted"]:
+        starts.append(at)
+        at += a + 1
+    return starts
+
+
+def logged_round(live: _Live, K: int) -> tuple[int, int, list[float] | None]:
+    """What the drafter offers at the request's position p, from the logged round that covers it: round j began at
+    p - d (d >= 0) and accepted a drafts, so from p it offers its remaining a - d accepted drafts (none past them),
+    proposed - d proposed ones, and the confidences of its positions d.. (zero past the logged K). d = 0 at every
+    step of a verify-all replay; d > 0 after plain steps or a partial verify, which commit fewer tokens than the
+    logged round did. At d = a of a round that accepted all it proposed (its bonus token's position: the log does
+    not say what a draft from there would do), the next logged round stands in, one token early. Returns
+    (accepted, proposed, confidences or None)."""
+    import bisect
+
+    t = live.trace
+    j = max(0, bisect.bisect_right(live.starts, live.tokens) - 1)
+    d = live.tokens - live.starts[j]
+    if d and d == t["accepted"][j] == t["proposed"][j] and j + 1 < len(live.starts):
+        j, d = j + 1, 0
+    conf = t["confidence"]
+    return (max(t["accepted"][j] - d, 0), max(t["proposed"][j] - d, 0),
+            None if conf is None else list(conf[j][d:]) + [0.0] * min(d, K))
 
 
 @dataclass(frozen=True)
@@ -147,7 +183,9 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         raise ValueError(f"need concurrency >= 1 and requests >= 1, got {concurrency} and {requests}")
     K = trace["draft_length"] if policy is not None else 0
     pool = trace["requests"]
-    waiting = [pool[i % len(pool)] for i in range(requests)]
+    first = int(pricing.slots)  # tokens before the first round: the admission's prefill draws one (slots)
+    starts = [round_starts(r, first) for r in pool]
+    waiting = [(pool[i % len(pool)], starts[i % len(pool)]) for i in range(requests)]
     admitted = 0
     live: list[_Live] = []
     now, steps, total_tokens = 0.0, 0, 0
@@ -166,7 +204,8 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         if waiting and len(live) + blocked < concurrency:
             now += pricing.admission_ms / 1000.0  # one prefill for the arrivals of this moment
         while waiting and len(live) + blocked < concurrency:
-            live.append(_Live(serial=admitted, trace=waiting.pop(0), start=now))
+            request, request_starts = waiting.pop(0)
+            live.append(_Live(serial=admitted, trace=request, starts=request_starts, start=now))
             admitted += 1
             if pricing.slots:  # the admission's prefill draws the first new token, as the engine's does
                 live[-1].tokens = 1
@@ -181,16 +220,14 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
             policy.begin(batch_size=len(live))  # why: per-request policy state is indexed by batch row
             members = tuple(s.serial for s in live)
         R = len(live)
-        picks = [s.trace for s in live]
-        index = [s.round % len(t["accepted"]) for s, t in zip(live, picks)]
-        logged_acc = torch.tensor([t["accepted"][j] for t, j in zip(picks, index)])  # (R,)
+        logged = [logged_round(s, K) for s in live]  # (accepted, proposed, confidences) at each one's position
+        logged_acc = torch.tensor([a for a, _, _ in logged])  # (R,)
         drafting = policy is not None and policy.draft_next()
         if not drafting:  # plain decoding, or a round the draft gate skipped
             ell = torch.zeros(R, dtype=torch.long)
         else:
-            proposed = torch.tensor([t["proposed"][j] for t, j in zip(picks, index)])  # (R,)
-            conf = (None if picks[0]["confidence"] is None
-                    else torch.tensor([t["confidence"][j] for t, j in zip(picks, index)]))  # (R, K)
+            proposed = torch.tensor([n for _, n, _ in logged])  # (R,)
+            conf = None if logged[0][2] is None else torch.tensor([c for _, _, c in logged])  # (R, K)
             proposal = Proposal(tokens=torch.zeros(R, K, dtype=torch.long), confidence=conf, lengths=proposed)
             ell = torch.minimum(policy.lengths(proposal, K).clamp(0, K), proposed)  # (R,)
         accepted = torch.minimum(ell, logged_acc)  # (R,)
@@ -219,7 +256,6 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         for s, a in zip(live, accepted.tolist()):
             take = min(a + 1, s.trace["new_tokens"] - s.tokens)
             s.tokens += take
-            s.round += drafting  # a plain step used none of the logged drafts
             total_tokens += take
             if s.tokens >= s.trace["new_tokens"]:
                 speeds.append(s.tokens / (now - s.start))

@@ -381,6 +381,29 @@ def _trace(accepted, confidence, *, K=3, new_tokens=8, n=1):
                           "accepted": accepted, "confidence": confidence} for _ in range(n)]}
 
 
+def test_a_replayed_request_meets_the_drafter_where_the_log_stood_at_its_position():
+    """The replay takes the logged round that covers a request's position: its rest after a plain step or a partial
+    verify (accepted and proposed less the offset, confidences shifted), the next round at the bonus position of a
+    round that accepted all it proposed (censored), and a round's own data at its start."""
+    from experiments.simulator import _Live, logged_round, round_starts
+
+    conf = [[0.9, 0.8, 0.7], [0.6, 0.5, 0.4], [0.3, 0.2, 0.1]]
+    request = {"new_tokens": 9, "proposed": [3, 3, 3], "accepted": [2, 0, 3], "confidence": conf}
+    starts = round_starts(request, first=1)  # the prefill's token first, then rounds of a + 1 tokens
+    assert starts == [1, 4, 5]
+    offered = {}
+    for p in range(1, 9):
+        offered[p] = logged_round(_Live(serial=0, trace=request, starts=starts, start=0.0, tokens=p), K=3)
+    assert offered[1] == (2, 3, [0.9, 0.8, 0.7])
+    assert offered[2] == (1, 2, [0.8, 0.7, 0.0])  # one token into round 0
+    assert offered[3] == (0, 1, [0.7, 0.0, 0.0])  # at the draft round 0 got rejected on: none accepted from here
+    assert offered[4] == (0, 3, [0.6, 0.5, 0.4]) and offered[5] == (3, 3, [0.3, 0.2, 0.1])
+    assert offered[8] == (0, 0, [0.0, 0.0, 0.0])  # past the last round's drafts
+    censored = {"new_tokens": 9, "proposed": [3, 3], "accepted": [3, 1], "confidence": None}
+    live = _Live(serial=0, trace=censored, starts=round_starts(censored, first=0), start=0.0, tokens=3)
+    assert logged_round(live, K=3) == (1, 3, None)  # round 0 accepted all 3: at its bonus position, round 1
+
+
 def test_simulator_matches_hand_computation():
     flat = CostModel.flat(50.0)
     trace = _trace([3, 3], None, new_tokens=8, n=4)  # every draft accepted: 4 tokens per round, 2 rounds
