@@ -218,7 +218,7 @@ def test_export_engine_json(tmp_path):
 def test_profiles_time_the_slot_engines_cache(tiny_host, tmp_path, monkeypatch):
     """The host's and the drafter's caches that the profilers allocate for a workload's context (longest prompt
     plus budget) are the ones the slot engine decodes that workload with: a captured round attends over its whole
-    cache, so a profile over another length times another forward (an unaligned one pays SDPA's mask padding)."""
+    cache, so a profile over another length times another forward."""
     from dspark.engine.decode import generate
     from tests.conftest import random_prompts
     from tests.test_decode import K, build_any

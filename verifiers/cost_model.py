@@ -337,15 +337,16 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
 
     Each point: a fresh cache of R requests holding `context` positions, as long as the slot engine's for requests
     of `context` positions (prompt plus budget) verifying up to max(tokens_per_request) tokens a row
-    (dspark.engine.kv_cache.slot_cache_length: a captured round attends over all of it, and an unaligned length
-    would time SDPA's mask padding, which the engine's aligned cache does not pay), random tokens (R, T), `warmup`
-    untimed steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode` makes for
-    a round at that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the same
-    (bucketed) cache prefix as decoding does; the cache is not advanced (steps overwrite the same positions), so every repeat sees
-    the same context. A timed step includes the LM head over every position and the argmax over the logits (what
-    the round's greedy acceptance reads). CUDA is synchronised around each timed step. `mode` "graph" (the default
-    on CUDA, see resolve_mode) times the step as the slot engine runs it there: captured once per point as a CUDA
-    graph over the whole cache (attend=None) and replayed.
+    (dspark.engine.kv_cache.slot_cache_length: a captured round attends over all of it, and the engine aligns its
+    length for SDPA's kernels, kv_cache.aligned_length; a profile over context + T + 64 positions, as before
+    2026-12-07, priced T >= 2 well above the engine's rounds, benchmarks/RESULTS.md), random tokens (R, T),
+    `warmup` untimed steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode`
+    makes for a round at that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the
+    same (bucketed) cache prefix as decoding does; the cache is not advanced (steps overwrite the same positions),
+    so every repeat sees the same context. A timed step includes the LM head over every position and the argmax over the
+    logits (what the round's greedy acceptance reads). CUDA is synchronised around each timed step. `mode` "graph" (the
+    default on CUDA, see resolve_mode) times the step as the slot engine runs it there: captured once per point as a
+    CUDA graph over the whole cache (attend=None) and replayed.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
