@@ -125,7 +125,8 @@ class ProfileOptions:
     tokens_per_request: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={
         "help": "tokens per request per step (1 + verified drafts)"})
     context: int = field(default=256, metadata={
-        "help": "cached positions per request while timing (the step attends that prefix, as decoding does)"})
+        "help": "cached positions per request while timing: the workload's longest prompt plus its new tokens (eager "
+                "steps attend that prefix; graph mode attends the whole cache the slot engine allocates for it)"})
     repeats: int = field(default=10, metadata={"help": "timed steps per point (median kept)"})
     warmup: int = field(default=3, metadata={"help": "untimed steps per point"})
     mode: Literal["auto", "eager", "graph"] = field(default="auto", metadata={
