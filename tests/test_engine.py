@@ -668,14 +668,19 @@ def test_the_loop_freezes_what_lived_before_it_and_counts_its_garbage_collection
     assert out.token_ids == generate(tiny_host, prompts, max_new_tokens=4, concurrency=2).token_ids
 
 
-def test_the_loop_leaves_a_callers_frozen_objects_frozen(tiny_host):
-    """Where the caller froze objects before (gc.freeze), the loop neither freezes more nor unfreezes theirs."""
+def test_the_loop_leaves_a_callers_frozen_objects_frozen(tiny_host, monkeypatch):
+    """Where the caller froze objects before (gc.freeze), the loop neither freezes more nor unfreezes theirs. why
+    the calls are watched rather than gc.get_freeze_count() compared: a frozen object can still be freed (its last
+    reference dropped, e.g. a cache entry replaced), which lowers the count (by 4 once in a full CI run)."""
     import gc
 
     gc.freeze()
     try:
-        before = gc.get_freeze_count()
+        calls = []
+        monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
         generate(tiny_host, prompts_of(tiny_host), max_new_tokens=3, concurrency=2)
-        assert gc.get_freeze_count() == before
+        assert calls == [] and gc.get_freeze_count() > 0
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
