@@ -21,7 +21,6 @@ import torch
 from dspark.engine.decode import generate
 from dspark.engine.results import GenerationResult
 from dspark.engine.sampling import SamplingConfig
-from dspark.engine.workload import warm_up_prompts
 from dspark.metrics import summarize
 
 #: what a domain name means when no `--domains` mapping is given (DSPARK.md's chat / code / math split). Math is
@@ -208,22 +207,6 @@ def continuous_decode(host, prompts, *, drafter, verifier, draft_length: int, co
     return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency,
                     timing=timing)
-
-
-def warmed(decode: Callable[..., GenerationResult]) -> Callable[..., GenerationResult]:
-    """`decode` preceded, on CUDA, by an untimed decode of the same setting and cache: C requests (the longest prompt
-    and the first C - 1 others) with the same new-token budget, as benchmarks/speed.py warms each run. The first
-    decode of a setting at a new C otherwise pays first-use costs (kernel selection, allocator growth, lazy inits)
-    inside its timed window; the cache is sized by the longest prompt plus the budget, so a shorter warm-up leaves
-    the timed decode to grow the allocator at its first admission (on the H100, plain decoding at C = 64 spent
-    0.11 s admitting against 0.02 s for the setting timed after it, with the old 8-token warm-up). The CUDA graphs
-    it captures are per decode and already left out of the timing (their warm-up is subtracted)."""
-    def run(host, prompts, *, concurrency: int, max_new_tokens: int, **kw) -> GenerationResult:
-        if torch.device(host.device).type == "cuda" and prompts:
-            decode(host, warm_up_prompts(prompts, concurrency), concurrency=concurrency,
-                   max_new_tokens=max_new_tokens, **kw)
-        return decode(host, prompts, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
-    return run
 
 
 #: engine name -> decode function

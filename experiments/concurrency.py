@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from dspark.engine.workload import warmed
 from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, check_settings, cost_table,
                                 drafter_path, envelope, figure, is_plain, load_prompts, plot_log_x, result_row,
-                                sampling_config, setting_key, trained_length, warmed, workload_context,
+                                sampling_config, setting_key, trained_length, workload_context,
                                 write_result)
 
 

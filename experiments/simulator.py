@@ -35,6 +35,7 @@ Writes OUT_DIR/simulate.json (`rows` as concurrency.json's, engine "replay"; `br
 """
 from __future__ import annotations
 
+import bisect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,8 +105,6 @@ def logged_round(live: _Live, K: int) -> tuple[int, int, list[float] | None]:
     logged round did. At d = a of a round that accepted all it proposed (its bonus token's position: the log does
     not say what a draft from there would do), the next logged round stands in, one token early. Returns
     (accepted, proposed, confidences or None)."""
-    import bisect
-
     t = live.trace
     j = max(0, bisect.bisect_right(live.starts, live.tokens) - 1)
     d = live.tokens - live.starts[j]

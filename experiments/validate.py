@@ -43,9 +43,10 @@ from typing import Callable, Optional
 
 import torch
 
+from dspark.engine.workload import warmed
 from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings,
                                 continuous_decode, cost_table, drafter_path, envelope, figure, load_prompts,
-                                sampling_config, warmed, workload_context, write_result)
+                                sampling_config, workload_context, write_result)
 
 NAME = "simulator_validation"
 

@@ -11,7 +11,8 @@ import torch
 
 import dspark
 from dspark.cli import main as cli
-from experiments.common import load_prompts, warmed, workload_context
+from dspark.engine.workload import warmed
+from experiments.common import load_prompts, workload_context
 from experiments.concurrency import add_speedup, break_even, merge
 from experiments.savings import savings
 from experiments.simulator import Pricing, simulate

@@ -421,8 +421,8 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
     mode = resolve_mode(mode, device) if drafter.capturable else "eager"
     g = torch.Generator().manual_seed(seed)
     seconds, observe_seconds = [], []
+    max_len = slot_cache_length(context, draft_length)  # the engine's, which the drafter's caches follow
     for R in sorted(set(batch_sizes)):
-        max_len = slot_cache_length(context, draft_length)  # the engine's, which the drafter's caches follow
         seq = torch.randint(host.vocab_size, (R, max_len), generator=g).to(device)  # (R, max_len)
         filled = torch.full((R,), context, dtype=torch.long, device=device)
         cache = host.new_cache(R, max_len)
@@ -453,7 +453,7 @@ def profile_draft(host, drafter, *, batch_sizes: list[int], draft_length: int, c
         del cache
     dtype = next((str(t.dtype) for t in getattr(drafter, "parameters", lambda: ())() if t.is_floating_point()), None)
     return {"batch_sizes": sorted(set(batch_sizes)), "seconds": seconds, "observe_seconds": observe_seconds,
-            "context": context, "cache_length": slot_cache_length(context, draft_length), "mode": mode,
+            "context": context, "cache_length": max_len, "mode": mode,
             "dtype": dtype}
 
 

@@ -6,7 +6,13 @@ Shapes: n requests, C concurrency.
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
+import torch
+
 from dspark.engine.sampling import SamplingConfig
+
+T = TypeVar("T")
 
 PROMPTS = [  # first turns of six MT-Bench questions (writing, roleplay, reasoning, math, coding, extraction)
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
@@ -74,16 +80,31 @@ def warm_up_prompts(prompts: list[list[int]], concurrency: int) -> list[list[int
     return [prompts[longest]] + [p for i, p in enumerate(prompts) if i != longest][: concurrency - 1]
 
 
-def bench(host, prompts: list[list[int]], methods: dict, concurrencies: list[int], **kwargs) -> list[dict]:
-    """One run_workload row per (method, concurrency); methods maps a name to a drafter (None = plain). On CUDA each
-    row follows an untimed decode of the same setting, C requests with the same budget (warm_up_prompts): without
-    it the first row timed at each C pays first-use costs (kernel selection, the allocator's growth) that the others
-    do not (on an H100, 2026-12-07: plain decoding's one admission at C = 64 took 0.11 s against 0.02 s warmed)."""
+def warmed(decode: Callable[..., T]) -> Callable[..., T]:
+    """`decode` (host, prompts, *, concurrency, max_new_tokens, ...) preceded, on CUDA, by an untimed decode of the
+    same setting and cache: C requests (warm_up_prompts) with the same new-token budget. The first decode of a
+    setting at a new C otherwise pays first-use costs (kernel selection, allocator growth, lazy inits) inside its
+    timed window; the cache is sized by the longest prompt plus the budget, so a shorter warm-up leaves the timed
+    decode to grow the allocator at its first admission (on the H100, 2026-12-07: plain decoding at C = 64 spent
+    0.11 s admitting against 0.02 s for the setting timed after it, with an 8-token warm-up). The CUDA graphs it
+    captures are per decode and already left out of the timing (their warm-up is subtracted). `dspark bench` and
+    the experiment runners time their rows through it."""
+    def run(host, prompts, *, concurrency: int, max_new_tokens: int, **kw) -> T:
+        if torch.device(host.device).type == "cuda" and prompts:
+            decode(host, warm_up_prompts(prompts, concurrency), concurrency=concurrency,
+                   max_new_tokens=max_new_tokens, **kw)
+        return decode(host, prompts, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
+    return run
+
+
+def bench(host, prompts: list[list[int]], methods: dict, concurrencies: list[int], *, max_new_tokens: int = 128,
+          **kwargs) -> list[dict]:
+    """One run_workload row per (method, concurrency); methods maps a name to a drafter (None = plain); each row
+    `warmed`."""
     rows = []
     for name, drafter in methods.items():
         for C in concurrencies:
-            if host.device.type == "cuda" and prompts:
-                run_workload(host, warm_up_prompts(prompts, C), concurrency=C, drafter=drafter, **kwargs)
-            row = run_workload(host, prompts, concurrency=C, drafter=drafter, **kwargs)
+            row = warmed(run_workload)(host, prompts, concurrency=C, drafter=drafter, max_new_tokens=max_new_tokens,
+                                       **kwargs)
             rows.append({"method": name, **row})
     return rows
