@@ -49,8 +49,9 @@
 # COMPILE=on|off|auto sets --compile of the validate and concurrency phases (default auto: compiled on CUDA). The
 # first phase of a fresh machine converts the staged GGUF into $DSPARK_CACHE (about 20 s), which later phases
 # reuse while the machine stays warm. Staging for tests, train, speed and llama8b: `python ../shared/stage_offline.py
-# --no-data --chunk-mib 47` (two chunks, each under the 64 MiB carry with the working tree); validate and
-# concurrency read ShareGPT prompts (the default staging, three chunks).
+# --no-data --chunk-mib 40 --out .stage-smol` (three chunks: a chunk and the working tree, about 19 MiB on
+# 2026-12-07, share one call's 64 MiB carry, and 47 MiB chunks no longer fitted); validate and concurrency read
+# ShareGPT prompts: also `--no-smollm2 --out .stage-data` (one chunk, carried beside the last model chunk).
 set -euo pipefail
 OUT=${OUT:?set OUT}
 PHASE=${PHASE:?set PHASE to tests, profile, speed, llama8b, validate, concurrency, sps8b or train}
