@@ -24,7 +24,8 @@ the next one enters at the following step. Throughput = tokens / simulated secon
 (leave - enter), averaged over requests.
 
 The schedulers' draft gate is replayed too: a step it skips is plain (no draft_ms, nothing verified, one token
-per request), priced by the gate with `draft_ms`.
+per request), priced by the gate with `draft_ms`, and told what the engine tells it (the tokens committed and, with
+logged confidences, the drafts they expected to be accepted).
 
 Approximations, stated: a round is replayed from the logged round at the same position, so drafts proposed from
 a position the logged decode passed through mid-round are taken to be that round's remaining drafts (what the
@@ -43,6 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
+from dspark.engine.acceptance import expected_accepted
 from dspark.engine.protocol import Proposal
 from dspark.engine.round import backlog_rounds, width_bucket
 from experiments.common import Section, write_result
@@ -243,7 +245,9 @@ def simulate(trace: dict, *, policy, concurrency: int, cost, requests: int, pric
         now += last_step_s
         steps += 1
         if policy is not None:
-            heard = dict(slots=R, rows=R, width=int(ell.max()), drafted=drafting, committed=int(accepted.sum()) + R)
+            expected = (float(expected_accepted(conf, ell).sum()) if drafting and conf is not None else None)
+            heard = dict(slots=R, rows=R, width=int(ell.max()), drafted=drafting, committed=int(accepted.sum()) + R,
+                         expected=expected)
             if pricing.overlap:  # this step's draft_next came before the last step's after_round
                 told, heard = heard, told
             if heard is not None:

@@ -42,15 +42,19 @@ def gate_with(draft_ms: float | None, sps: float = 100.0) -> DraftGate:
     return gate
 
 
-def drafted_rounds(gate: DraftGate, tau_of, rounds: int = 40, rows: int = 4) -> list[int]:
-    """Drive the gate as the engine does; tau_of(round) = tokens each live row commits in a drafted round."""
+def drafted_rounds(gate: DraftGate, tau_of, rounds: int = 40, rows: int = 4, expected_of=None) -> list[int]:
+    """Drive the gate as the engine does; tau_of(round) = tokens each live row commits in a drafted round;
+    expected_of(round), when given, the drafts each row's confidences expected to be accepted (what the engines
+    tell the gate for a drafter with confidences)."""
     out = []
     for r in range(rounds):
         drafting = gate.draft_next()
         if drafting:
             out.append(r)
         committed = rows * (tau_of(r) if drafting else 1)
-        gate.after_round(slots=rows, rows=rows, width=K if drafting else 0, drafted=drafting, committed=committed)
+        expected = rows * expected_of(r) if drafting and expected_of is not None else None
+        gate.after_round(slots=rows, rows=rows, width=K if drafting else 0, drafted=drafting, committed=committed,
+                         expected=expected)
     return out
 
 
@@ -290,3 +294,83 @@ def test_small_lm_keeps_no_stale_draft_keys_across_a_plain_round(tiny_host, tmp_
     seq[0, c + 1] = 5  # a plain round commits the next token: no propose in between
     drafter.observe(features=None, start=torch.tensor([c]), n_valid=torch.tensor([1]), state=state)
     assert int(drafter.cache.lengths[0]) == c  # not c + 1: the key at c is the rejected draft's
+
+
+def test_a_lucky_probe_with_low_confidences_starts_no_streak():
+    """A drafter that usually accepts nothing and, by luck, accepts all its drafts in the round its second probe
+    lands on. Judged by its realised counts, that probe restarts a streak of drafted rounds; judged by its
+    confidences (0.02 accepted drafts a row expected, after a history in which they matched what was realised:
+    the gate's scale is 1), it stays off and probes on schedule. Rounds cost 10 ms, the draft 0.5 ms."""
+    def lucky(r):
+        return K + 1 if r == 7 else 1
+    realised = drafted_rounds(gate_with(0.5), lucky, rounds=60)
+    assert realised[:3] == [0, 7, 8]  # the probe at 7 paid: round 8 drafts again
+    gate = gate_with(0.5)
+    gate.seen_accepted = gate.seen_expected = 100.0  # calibrated so far
+    confident = drafted_rounds(gate, lucky, rounds=60, expected_of=lambda r: 0.02)
+    assert confident[:3] == [0, 7, 14]  # the lucky probe is priced at its confidences: the next waits its turn
+
+
+def test_the_confidences_scale_follows_what_was_realised():
+    """Overconfident confidences (they expect 3 accepted drafts a row where 1 is accepted, which at a 4 ms draft on
+    10 ms rounds pays: 2 tokens a row for 1.4 rounds' time) are corrected by the realised ratio: the drafter keeps
+    drafting every round, and the gate's scale approaches 1 / 3. Confidences that expect 3 where none is ever
+    accepted stop the drafter within a few rounds."""
+    gate = gate_with(4.0)
+    assert drafted_rounds(gate, lambda r: 2, rounds=60, expected_of=lambda r: 3.0) == list(range(60))
+    assert gate.scale() == pytest.approx(1 / 3, rel=0.02)
+    never = drafted_rounds(gate_with(4.0), lambda r: 1, rounds=60, expected_of=lambda r: 3.0)
+    assert never[0] == 0 and len([r for r in never if r < 10]) <= 4
+
+
+def test_without_confidences_the_gate_is_priced_as_before():
+    """expected=None (the n-gram, or any drafter without confidences): the smoothed gain is the average of the
+    realised per-round gains, as before the confidences were used."""
+    gate = gate_with(2.0)
+    smoothed = None
+    for tau in [3, 2, 1, 2, 3, 1]:
+        assert gate.draft_next()
+        gate.after_round(slots=4, rows=4, width=K, drafted=True, committed=4 * tau)
+        gain = tau * 10.0 / 12.0
+        smoothed = gain if smoothed is None else 0.1 * gain + 0.9 * smoothed
+        assert gate.gain == pytest.approx(smoothed)
+
+
+class Recording:
+    """A gated scheduler that records what each round tells it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.heard = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def after_round(self, **round_) -> None:
+        self.heard.append(round_)
+        self.inner.after_round(**round_)
+
+
+def test_both_engines_tell_the_gate_the_confidences_expectation(tiny_host):
+    """The slot engine (the packed output's EXPECTED column) and the eager loop tell the gate the same expected
+    accepted drafts for every drafted round: the sum over live rows of sum_{k <= ell} 0.9^k (the Rejected drafter's
+    confidences are 0.9), None for plain rounds."""
+    prompts = random_prompts([5, 9, 3, 7], tiny_host.vocab_size, seed=11)
+    plain = generate(tiny_host, prompts, max_new_tokens=12)
+    never = next(t for t in range(tiny_host.vocab_size) if all(t not in out for out in plain.token_ids))
+    heard = {}
+    for engine in ("eager", "slots"):
+        verifier = Recording(gated(1.0))
+        out = generate(tiny_host, prompts, drafter=Rejected(never), verifier=verifier, draft_length=K,
+                       max_new_tokens=12, engine=engine)
+        heard[engine] = verifier.heard
+        verified = out.log.column("verified")
+        rows = out.log.column("round")
+        drafted = [h for h in verifier.heard if h["drafted"]]
+        assert drafted and all(h["expected"] is None for h in verifier.heard if not h["drafted"])
+        first = drafted[0]  # round 0 drafts for every request: each verifies its ell of K drafts
+        want = sum(sum(0.9 ** k for k in range(1, int(v) + 1)) for v in verified[rows == 0].tolist())
+        assert first["expected"] == pytest.approx(want, abs=1e-3)
+    assert [h["drafted"] for h in heard["eager"]] == [h["drafted"] for h in heard["slots"]]
+    for a, b in zip(heard["eager"], heard["slots"]):
+        assert (a["expected"] is None) == (b["expected"] is None)
+        assert a["expected"] is None or a["expected"] == pytest.approx(b["expected"], abs=1e-3)

@@ -130,6 +130,13 @@ def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
     return best, best_theta
 
 
+#: the draft gate's prior on its confidences' scale, in accepted drafts: (A + p) / (E + p) starts at 1 and follows
+#: the realised ratio once the drafted rounds have expected a few times p drafts (DraftGate). why 1: the scale
+#: multiplies the whole smoothed average, and a drafter whose confidences say 0.9 and which is never accepted
+#: (tests/test_draft_gate.py) should stop within a few rounds, as it did when it was judged by its realised counts
+CALIBRATION_PRIOR = 1.0
+
+
 class DraftGate:
     """When not to speculate: the schedulers skip the draft forward while speculation does not pay for itself, and
     probe again later.
@@ -153,10 +160,24 @@ class DraftGate:
     that costs two plain steps, as the quickstart's 2-layer DSpark does on a 2-core CPU, is probed about every
     200 rounds at the default 1 %; the first round always drafts).
 
-    Lossless: whether a round drafts depends only on the counts of finished rounds (and on whether a launched probe
-    was heard yet), never on drafts not yet made,
-    and a plain round is an ordinary round with nothing proposed. The price uses realised acceptance, not
-    confidences, so it needs no calibration and works for drafters without a confidence head.
+    Where the drafter has confidences, a drafted round's c counts the drafts its confidences expected to be
+    accepted (`expected`: the sum over rows of acceptance.expected_accepted over what each verified), scaled by
+    what the drafted rounds of this decode realised against what they expected, (A + p) / (E + p) with a prior of
+    p = CALIBRATION_PRIOR drafts (so over- or under-confident confidences are corrected as evidence comes in, and
+    the price never rests on calibration alone). The gain is linear in that scale, so the gate smooths its two
+    terms apart (the bonus token's plain / spent, and the drafts' share) and applies today's scale to the whole
+    average: a scale that falls lowers every round's price at once. why: a realised count is one draw of a noisy outcome, and a probe
+    that drew high restarted a streak that took about 25 losing rounds to end. Measured on the H100 traces of
+    2026-12-07 (benchmarks/RESULTS.md, fourteenth session): DSpark's confidences expected 0.335 accepted drafts a
+    round against 0.359 realised, and its accepted counts were not bursty (lag-one correlation 0.02, against the
+    n-gram's 0.41), so a paying probe said nothing about the next round. Replayed on the five H100 validation folders
+    of 2026-12-07 (benchmarks/h100/simulator_validation_20261207*/, gate_variants.py there; a change made after
+    seeing those runs, not yet measured on a GPU), DSpark + scheduler moved by -0.4 to +1.2 points of plain decoding
+    (15 rows, C = 1 to 64). A drafter without confidences (the n-gram) is priced by its realised counts, as before.
+
+    Lossless: whether a round drafts depends only on finished rounds (their counts and their drafts' confidences,
+    both known before the rounds it decides about are drafted) and on whether a launched probe was heard yet, never
+    on drafts not yet made, and a plain round is an ordinary round with nothing proposed.
     """
 
     def __init__(self, cost: SPS, *, smoothing: float = 0.1, max_wait: int = 64, probe_budget: float = 0.01) -> None:
@@ -184,6 +205,13 @@ class DraftGate:
         self.gain: float | None = None  # smoothed gain of speculating over plain decoding
         self.wait, self.skip_left, self.probing = 1, 0, False
         self.awaiting = False  # a probe was launched and its outcome has not been heard (after_round) yet
+        self.seen_accepted = self.seen_expected = 0.0  # over this decode's drafted rounds with confidences
+        self.bonus = self.drafts = 0.0  # the smoothed gain's two terms (after_round)
+
+    def scale(self) -> float:
+        """The confidences' correction: realised over expected accepted drafts of this decode's drafted rounds with
+        confidences, (A + p) / (E + p), p = CALIBRATION_PRIOR; 1 before any (and for a drafter without them)."""
+        return (self.seen_accepted + CALIBRATION_PRIOR) / (self.seen_expected + CALIBRATION_PRIOR)
 
     def draft_next(self) -> bool:
         """Whether the next round drafts. A probe (the first round, or the first after a wait) is one round: the
@@ -199,7 +227,8 @@ class DraftGate:
     def _seconds(self, rows: int, width: int) -> float:
         return float(forward_seconds(self.cost, rows, torch.tensor([width]))[0])
 
-    def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
+    def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int,
+                    expected: float | None = None) -> None:
         if not drafted:
             self.skip_left = max(0, self.skip_left - 1)
             return
@@ -212,9 +241,17 @@ class DraftGate:
         if width == 0 and not draft_s:  # nothing verified, nothing spent (an n-gram drafter without a match):
             return  # no evidence either way; judged as a failed probe, it would gate off a free drafter for nothing
         plain, spent = self._seconds(slots, 1), self._seconds(slots, width + 1) + (draft_s or 0.0)
-        gain = (committed / rows) * plain / spent
+        # gain = (rows + accepted) / rows * plain / spent, kept as its two terms: the one token a row commits anyway,
+        # and the accepted drafts' share, whose scale (the confidences' correction) applies to the whole average
+        bonus, drafts = plain / spent, (committed - rows if expected is None else expected) / rows * plain / spent
+        if expected is not None:  # the confidences' expectation, scaled by what was realised against it (docstring)
+            self.seen_accepted += committed - rows
+            self.seen_expected += expected
         fresh = self.gain is None or self.probing
-        self.gain = gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain
+        w = 1.0 if fresh else self.smoothing
+        self.bonus = w * bonus + (1 - w) * self.bonus
+        self.drafts = w * drafts + (1 - w) * self.drafts
+        self.gain = self.bonus + self.scale() * self.drafts
         self.probing = False
         if self.gain > 1.0:
             self.wait = 1

@@ -79,3 +79,12 @@ def expected_tau(conditional: Iterable[float] | torch.Tensor) -> float:
         survive *= alpha
         total += survive
     return total
+
+
+def expected_accepted(confidence: torch.Tensor, ell: torch.Tensor) -> torch.Tensor:
+    """(R,) float32: the drafts each row expects to have accepted by its confidences c (R, K), read as conditional
+    acceptances, of the ell (R,) it verified: sum_{k <= ell} prod_{i <= k} c_i (c clamped to [0, 1]). What a draft
+    gate prices a drafted round by when the drafter has confidences (verifiers.prefix_scheduler.DraftGate)."""
+    K = confidence.shape[1]
+    survive = confidence.float().clamp(0.0, 1.0).cumprod(1)  # (R, K)
+    return (survive * (torch.arange(1, K + 1, device=ell.device) <= ell.unsqueeze(1))).sum(1)

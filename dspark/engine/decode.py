@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dspark.engine.acceptance import greedy_accept, rejection_sample
+from dspark.engine.acceptance import expected_accepted, greedy_accept, rejection_sample
 from dspark.engine.protocol import DraftState, Drafter, NoDrafter, Proposal, VerifyAll
 from dspark.engine.results import GenerationResult, RoundLog
 from dspark.engine.run import run_slots
@@ -269,7 +269,10 @@ def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) 
     committed_before = batch.remaining.clone()
     batch.live = _commit_cpu(new_cpu, n_cpu + 1, batch, sink)
     _log_round(sink.log, batch, proposal, K, ell, n_cpu, committed_before - batch.remaining, sink.t0, drafting)
-    verifier.after_round(slots=B, rows=B, width=L, drafted=drafting, committed=int(n_cpu.sum()) + B)
+    expected = (float(expected_accepted(proposal.confidence, ell).sum())
+                if drafting and proposal.confidence is not None else None)
+    verifier.after_round(slots=B, rows=B, width=L, drafted=drafting, committed=int(n_cpu.sum()) + B,
+                         expected=expected)
     _record_finished(batch, sink)
     batch.rounds += 1
 

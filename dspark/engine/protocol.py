@@ -190,10 +190,13 @@ class Verifier:
         policy lossless: a plain round is an ordinary round with nothing proposed."""
         return True
 
-    def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int) -> None:
+    def after_round(self, *, slots: int, rows: int, width: int, drafted: bool, committed: int,
+                    expected: float | None = None) -> None:
         """What a finished round did, read from its device-to-host copy (no device read of its own): `slots` rows in
         the verify forward (live or idle), `rows` live requests, `width` drafts per row of that forward, whether
-        it drafted, and the tokens the live rows committed (accepted + 1 each, before budgets and stops cut)."""
+        it drafted, the tokens the live rows committed (accepted + 1 each, before budgets and stops cut), and the
+        drafts they expected to have accepted by the drafter's confidences (acceptance.expected_accepted; None for a
+        plain round or a drafter without confidences)."""
 
     def next_width(self) -> torch.Tensor | None:
         """A bound on every length the next call of lengths() will return, as a 0-dim long tensor, when it is

@@ -23,16 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.acceptance import greedy_accept, rejection_sample
+from dspark.engine.acceptance import expected_accepted, greedy_accept, rejection_sample
 from dspark.engine.compiled import commit_fn, drafter_fn
 from dspark.engine.sampling import STREAM_ACCEPT, STREAM_SAMPLE, argmax, process, sample, uniform
 from dspark.engine.protocol import Proposal
 
 # columns of the packed round output after the K + 1 new tokens; AHEAD: the longest length of the next round's
 # draft when it was proposed at the end of this round (graphs.py, lookahead), -1 = not proposed yet; SEQ_LEN: each
-# slot's committed length after the round, which the CPU checks against its own count (serve._commit_round)
-N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH, AHEAD, SEQ_LEN = range(7)
-COLUMNS = 7
+# slot's committed length after the round, which the CPU checks against its own count (serve._commit_round);
+# EXPECTED: the drafts the row expected to have accepted by its confidences (acceptance.expected_accepted) in
+# units of 1 / EXPECTED_SCALE, -1 = a drafter without confidences (the packed output is one long tensor)
+N_ACCEPTED, VERIFIED, PROPOSED, FINITE, NEXT_WIDTH, AHEAD, SEQ_LEN, EXPECTED = range(8)
+COLUMNS = 8
+EXPECTED_SCALE = 1 << 16
 
 
 @dataclass
@@ -218,7 +221,10 @@ def _commit(logits, draft_tokens, draft_q, ell, proposed, next_width, confidence
     seq.scatter_(1, positions.clamp(max=seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
     step = (n_acc + 1) * live  # (C,) tokens committed: the accepted drafts and the next token
     cache_lengths += step  # the host cache's KVCache.advance
-    columns = [n_acc, ell, proposed, finite.long(), next_width.expand(C), torch.full_like(n_acc, -1), seq_len + step]
+    expected = (torch.full_like(n_acc, -1) if confidence is None
+                else (expected_accepted(confidence, ell) * EXPECTED_SCALE).round().long() * live)
+    columns = [n_acc, ell, proposed, finite.long(), next_width.expand(C), torch.full_like(n_acc, -1), seq_len + step,
+               expected]
     return torch.cat([new, torch.stack(columns, dim=1)], dim=1), anchor_pos, step
 
 

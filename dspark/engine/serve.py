@@ -32,7 +32,8 @@ import torch
 from dspark.engine.graphs import round_runner
 from dspark.engine.kv_cache import slot_cache_length
 from dspark.engine.results import RoundLog
-from dspark.engine.round import AHEAD, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, SEQ_LEN, VERIFIED
+from dspark.engine.round import AHEAD, EXPECTED, EXPECTED_SCALE, FINITE, N_ACCEPTED, NEXT_WIDTH, PROPOSED, \
+    SEQ_LEN, VERIFIED
 from dspark.engine.slots import Request, Slots
 
 
@@ -280,12 +281,12 @@ def _loop(slots: Slots, runner, verifier, queue: deque, sink: Sink, stats: Engin
                 if overlap is None:  # in order: the next launch uses what this copy carries ("known": nothing)
                     ahead, slots.next_width = _carried(packed, K, fresh)
             _first_tokens(slots, arriving, sink, stats)
-            done, committed, live = _commit_round(slots, packed, pending, sink, stats.rounds, K)
+            done, committed, live, expected = _commit_round(slots, packed, pending, sink, stats.rounds, K)
             stats.in_flight.append(live)
             stats.widths.append(pending.L + 1)
             stats.drafted += pending.drafting
             verifier.after_round(slots=slots.capacity, rows=live, width=pending.L, drafted=pending.drafting,
-                                 committed=committed)
+                                 committed=committed, expected=expected if pending.drafting else None)
             _finish(slots, done, sink)
             if _fill(slots, queue, sink, stats, arriving):
                 fresh, ahead = True, -1
@@ -378,9 +379,10 @@ def _finish(slots: Slots, done: list[int], sink: Sink) -> None:
 
 
 def _commit_round(slots: Slots, packed: torch.Tensor, launched: Launched, sink: Sink, round_index: int,
-                  K: int) -> tuple[list[int], int, int]:
+                  K: int) -> tuple[list[int], int, int, float | None]:
     """Commit each live slot's tokens from the packed round output (C, K+1+COLUMNS); returns the slots that stopped,
-    the tokens the live slots committed before budgets and stops cut them (accepted + 1 each) and how many they were.
+    the tokens the live slots committed before budgets and stops cut them (accepted + 1 each), how many they were,
+    and the drafts they expected to have accepted by their confidences (None: a drafter without confidences).
     A slot's row is its request's only if that request held the slot when the round was launched (`launched.
     requests`): under overlap a request that stopped in the round before, or one admitted since, is not in it.
 
@@ -392,11 +394,12 @@ def _commit_round(slots: Slots, packed: torch.Tensor, launched: Launched, sink: 
     if bad:
         raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
                                  f"in round {round_index} for request(s) {bad}; no token of that round was accepted")
-    rows, done, committed = sink.rows, [], 0
+    rows, done, committed, expected = sink.rows, [], 0, 0
     for s in live_slots:
         row, request = table[s], slots.request[s]
         accepted = row[K + 1 + N_ACCEPTED]
         committed += accepted + 1
+        expected = None if expected is None or row[K + 1 + EXPECTED] < 0 else expected + row[K + 1 + EXPECTED]
         before = slots.remaining_cpu[s]
         _, live, slots.remaining_cpu[s] = sink.take(request, row[: accepted + 1], before)
         slots.cache_len[s] += accepted + 1
@@ -416,4 +419,4 @@ def _commit_round(slots: Slots, packed: torch.Tensor, launched: Launched, sink: 
         sink.confidence.append((launched.confidence, live_slots))
     sink.log.batch.append(len(live_slots))
     sink.log.time.append(time.perf_counter() - sink.t0)
-    return done, committed, len(live_slots)
+    return done, committed, len(live_slots), None if expected is None else expected / EXPECTED_SCALE

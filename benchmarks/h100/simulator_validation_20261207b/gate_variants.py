@@ -25,70 +25,60 @@ rows = {(r['method'], r['policy'], r['concurrency']): r for r in doc['rows']}
 
 orig_after = ps.DraftGate.after_round
 
-def after_keep(self, *, slots, rows, width, drafted, committed):
-    """probes update the EMA instead of restarting it"""
-    if not drafted:
-        self.skip_left = max(0, self.skip_left - 1); return
-    self.awaiting = False
-    if rows == 0: return
-    draft_s = self.fixed_draft_s
-    if width == 0 and not draft_s: return
-    plain, spent = self._seconds(slots, 1), self._seconds(slots, width + 1) + (draft_s or 0.0)
-    gain = (committed / rows) * plain / spent
-    self.gain = gain if self.gain is None else self.smoothing * gain + (1 - self.smoothing) * self.gain
-    self.probing = False
-    if self.gain > 1.0:
-        self.wait = 1
-    else:
-        amortised = math.ceil(max(spent - plain, 0.0) / (self.probe_budget * plain))
-        self.skip_left, self.probing = max(self.wait, amortised), True
-        self.wait = min(2 * self.wait, self.max_wait)
+def after_realized(self, *, expected=None, **round_):
+    """the gate before the confidences' expectation (2026-12-07, fourteenth session): realised counts only"""
+    return orig_after(self, **round_)
 
-def after_mean(self, *, slots, rows, width, drafted, committed):
-    """a streak's gain is its running mean until 1/smoothing rounds, then the EMA (bias-corrected EMA)"""
-    if not drafted:
-        self.skip_left = max(0, self.skip_left - 1); return
-    self.awaiting = False
-    if rows == 0: return
-    draft_s = self.fixed_draft_s
-    if width == 0 and not draft_s: return
-    plain, spent = self._seconds(slots, 1), self._seconds(slots, width + 1) + (draft_s or 0.0)
-    gain = (committed / rows) * plain / spent
-    fresh = self.gain is None or self.probing
-    self.n = 1 if fresh else self.n + 1
-    w = max(self.smoothing, 1.0 / self.n)
-    self.gain = gain if fresh else w * gain + (1 - w) * self.gain
-    self.probing = False
-    if self.gain > 1.0:
-        self.wait = 1
-    else:
-        amortised = math.ceil(max(spent - plain, 0.0) / (self.probe_budget * plain))
-        self.skip_left, self.probing = max(self.wait, amortised), True
-        self.wait = min(2 * self.wait, self.max_wait)
 
-def make_margin(m):
-    def after_margin(self, *, slots, rows, width, drafted, committed):
+def variant(update, margin: float = 1.0):
+    """A gate priced by realised counts (as before the confidences' expectation) whose smoothed gain is
+    update(gate, gain, fresh) and which resumes after a probe only above `margin`."""
+    def after(self, *, slots, rows, width, drafted, committed, expected=None):
         if not drafted:
-            self.skip_left = max(0, self.skip_left - 1); return
+            self.skip_left = max(0, self.skip_left - 1)
+            return
         self.awaiting = False
-        if rows == 0: return
         draft_s = self.fixed_draft_s
-        if width == 0 and not draft_s: return
+        if rows == 0 or (width == 0 and not draft_s):
+            return
         plain, spent = self._seconds(slots, 1), self._seconds(slots, width + 1) + (draft_s or 0.0)
-        gain = (committed / rows) * plain / spent
-        fresh = self.gain is None or self.probing
-        self.gain = gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain
-        was_probe = self.probing and self.gain is not None
+        fresh, was_probe = self.gain is None or self.probing, self.probing and self.gain is not None
+        self.gain = update(self, (committed / rows) * plain / spent, fresh)
         self.probing = False
-        if self.gain > (m if was_probe else 1.0):
+        if self.gain > (margin if was_probe else 1.0):
             self.wait = 1
         else:
             amortised = math.ceil(max(spent - plain, 0.0) / (self.probe_budget * plain))
             self.skip_left, self.probing = max(self.wait, amortised), True
             self.wait = min(2 * self.wait, self.max_wait)
-    return after_margin
+    return after
 
-variants = {'current': (orig_after, 0.1), 'current s0.3': (orig_after, 0.3), 'current s0.05': (orig_after, 0.05),
+
+def ema(self, gain, fresh):
+    """the gate's average: restarted by a probe"""
+    return gain if fresh else self.smoothing * gain + (1 - self.smoothing) * self.gain
+
+
+def keep(self, gain, fresh):
+    """probes update the average instead of restarting it"""
+    return gain if self.gain is None else self.smoothing * gain + (1 - self.smoothing) * self.gain
+
+
+def mean(self, gain, fresh):
+    """a streak's running mean until 1 / smoothing rounds, then the average (bias-corrected)"""
+    self.n = 1 if fresh else self.n + 1
+    w = max(self.smoothing, 1.0 / self.n)
+    return gain if fresh else w * gain + (1 - w) * self.gain
+
+
+after_keep, after_mean = variant(keep), variant(mean)
+
+
+def make_margin(m):
+    return variant(ema, margin=m)
+
+
+variants = {'realized': (after_realized, 0.1), 'current': (orig_after, 0.1), 'current s0.3': (orig_after, 0.3), 'current s0.05': (orig_after, 0.05),
             'keep s0.1': (after_keep, 0.1), 'keep s0.3': (after_keep, 0.3), 'keep s0.5': (after_keep, 0.5),
             'mean s0.1': (after_mean, 0.1), 'mean s0.05': (after_mean, 0.05),
             'm1.5': (make_margin(1.5), 0.1), 'm2': (make_margin(2.0), 0.1)}
