@@ -160,20 +160,21 @@ class DraftGate:
     that costs two plain steps, as the quickstart's 2-layer DSpark does on a 2-core CPU, is probed about every
     200 rounds at the default 1 %; the first round always drafts).
 
-    Where the drafter has confidences, a drafted round's c counts the drafts its confidences expected to be
-    accepted (`expected`: the sum over rows of acceptance.expected_accepted over what each verified), scaled by
-    what the drafted rounds of this decode realised against what they expected, (A + p) / (E + p) with a prior of
-    p = CALIBRATION_PRIOR drafts (so over- or under-confident confidences are corrected as evidence comes in, and
-    the price never rests on calibration alone). The gain is linear in that scale, so the gate smooths its two
-    terms apart (the bonus token's plain / spent, and the drafts' share) and applies today's scale to the whole
-    average: a scale that falls lowers every round's price at once. why: a realised count is one draw of a noisy outcome, and a probe
-    that drew high restarted a streak that took about 25 losing rounds to end. Measured on the H100 traces of
+    Where the drafter has confidences, a drafted round's c counts the drafts its confidences expected to be accepted
+    (`expected`: the sum over rows of acceptance.expected_accepted over what each verified), scaled by what the
+    drafted rounds of this decode realised against what they expected, (A + p) / (E + p) with a prior of p =
+    CALIBRATION_PRIOR drafts (so over- or under-confident confidences are corrected as evidence comes in, and the
+    price never rests on calibration alone). The gain is linear in that scale, so the gate smooths its two terms
+    apart (the bonus token's plain / spent, and the drafts' share) and applies today's scale to the whole average: a
+    scale that falls lowers every round's price at once. why: a realised count is one draw of a noisy outcome, and a
+    probe that drew high restarted a streak that took about 25 losing rounds to end. Measured on the H100 traces of
     2026-12-07 (benchmarks/RESULTS.md, fourteenth session): DSpark's confidences expected 0.335 accepted drafts a
     round against 0.359 realised, and its accepted counts were not bursty (lag-one correlation 0.02, against the
-    n-gram's 0.41), so a paying probe said nothing about the next round. Replayed on the five H100 validation folders
-    of 2026-12-07 (benchmarks/h100/simulator_validation_20261207*/, gate_variants.py there; a change made after
-    seeing those runs, not yet measured on a GPU), DSpark + scheduler moved by -0.4 to +1.2 points of plain decoding
-    (15 rows, C = 1 to 64). A drafter without confidences (the n-gram) is priced by its realised counts, as before.
+    n-gram's 0.41), so a paying probe said nothing about the next round. Replayed on the five H100 validation
+    folders of 2026-12-07 (benchmarks/h100/simulator_validation_20261207*/, gate_variants.py there; a change made
+    after seeing those runs, not yet measured on a GPU), DSpark + scheduler moved by -0.4 to +1.2 points of plain
+    decoding (15 rows, C = 1 to 64). A drafter without confidences (the n-gram) is priced by its realised counts, as
+    before.
 
     Lossless: whether a round drafts depends only on finished rounds (their counts and their drafts' confidences,
     both known before the rounds it decides about are drafted) and on whether a launched probe was heard yet, never
