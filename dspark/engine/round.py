@@ -221,8 +221,12 @@ def _commit(logits, draft_tokens, draft_q, ell, proposed, next_width, confidence
     seq.scatter_(1, positions.clamp(max=seq.shape[1] - 1), new[:, : L + 1])  # idle: past their end
     step = (n_acc + 1) * live  # (C,) tokens committed: the accepted drafts and the next token
     cache_lengths += step  # the host cache's KVCache.advance
-    expected = (torch.full_like(n_acc, -1) if confidence is None
-                else (expected_accepted(confidence, ell) * EXPECTED_SCALE).round().long() * live)
+    if confidence is None:
+        expected = torch.full_like(n_acc, -1)
+    elif L == 0:  # nothing verified (a plain round's graph): no kernels for a sum that is 0
+        expected = torch.zeros_like(n_acc)
+    else:
+        expected = (expected_accepted(confidence, ell) * EXPECTED_SCALE).round().long() * live
     columns = [n_acc, ell, proposed, finite.long(), next_width.expand(C), torch.full_like(n_acc, -1), seq_len + step,
                expected]
     return torch.cat([new, torch.stack(columns, dim=1)], dim=1), anchor_pos, step
