@@ -256,7 +256,11 @@ def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) 
     # 5 commit: accepted drafts then the next token, written after the anchor
     new = torch.cat([tokens, tokens.new_zeros(B, 1)], dim=1).scatter_(1, n_acc.unsqueeze(1), nxt.unsqueeze(1))
     state.seq.scatter_(1, positions.clamp(max=state.seq.shape[1] - 1), new)
+    # the drafts the confidences expected to be accepted (a draft gate's price), read with the round's copy
+    confident = drafting and proposal.confidence is not None
+    expected = expected_accepted(proposal.confidence, ell).sum() if confident else None
     new_cpu, n_cpu, finite_cpu = new.cpu(), n_acc.cpu(), finite.cpu()  # the round's one device-to-host sync
+    expected = None if expected is None else float(expected)  # computed before that sync: no wait of its own
     if not bool(finite_cpu.all()):
         bad = batch.request[~finite_cpu].tolist()
         raise FloatingPointError(f"non-finite (NaN/Inf) host or draft logits, or draft confidences outside [0, 1], "
@@ -269,8 +273,6 @@ def _round(host, batch: _Batch, *, drafter, verifier, K, sampling, sink: _Sink) 
     committed_before = batch.remaining.clone()
     batch.live = _commit_cpu(new_cpu, n_cpu + 1, batch, sink)
     _log_round(sink.log, batch, proposal, K, ell, n_cpu, committed_before - batch.remaining, sink.t0, drafting)
-    expected = (float(expected_accepted(proposal.confidence, ell).sum())
-                if drafting and proposal.confidence is not None else None)
     verifier.after_round(slots=B, rows=B, width=L, drafted=drafting, committed=int(n_cpu.sum()) + B,
                          expected=expected)
     _record_finished(batch, sink)
