@@ -374,3 +374,26 @@ def test_both_engines_tell_the_gate_the_confidences_expectation(tiny_host):
     for a, b in zip(heard["eager"], heard["slots"]):
         assert (a["expected"] is None) == (b["expected"] is None)
         assert a["expected"] is None or a["expected"] == pytest.approx(b["expected"], abs=1e-3)
+
+
+def heard_expectations(host, drafter, engine: str, graphs: bool | None = None) -> tuple[list, list]:
+    """(token ids, the expected accepted drafts told to a recording verify-all verifier each round) of a static
+    batch of four prompts, greedy: what the engine's round hands the gate, without a gate deciding anything."""
+    verifier = Recording(build_verifier("full"))
+    prompts = random_prompts([5, 9, 3, 7], host.vocab_size, seed=11)
+    out = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=K, max_new_tokens=12,
+                   engine=engine, graphs=graphs)
+    return out.token_ids, [h["expected"] for h in verifier.heard]
+
+
+def test_a_real_drafters_confidences_reach_the_gate_alike_from_both_engines(tiny_host, tmp_path):
+    """DSpark's own confidence head (random weights: confidences strictly between 0 and 1) through the slot
+    engine's graph-mode round (the packed EXPECTED column, as captured on CUDA: test_engine_cuda has that twin)
+    and through the eager loop: the same tokens and the same expectation every round (0 in the last round, whose
+    rows have one token of budget left and verify no draft)."""
+    drafter = build_any("dspark", tiny_host, tmp_path)
+    eager_ids, eager = heard_expectations(tiny_host, drafter, "eager")
+    fast_ids, fast = heard_expectations(tiny_host, drafter, "slots", graphs="static")
+    assert eager_ids == fast_ids and len(eager) == len(fast) > 1
+    assert all(e is not None and e > 0 for e in eager[:-1]) and eager[-1] == 0
+    assert fast == pytest.approx(eager, abs=1e-3)

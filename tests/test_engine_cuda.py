@@ -271,3 +271,17 @@ def test_gated_backlog_in_captured_rounds_equals_an_observe_per_round(cuda_host,
     assert runs[0].token_ids == runs[1].token_ids
     for column in ("accepted", "verified"):
         assert runs[0].log.column(column).tolist() == runs[1].log.column(column).tolist(), column
+
+
+def test_captured_rounds_tell_the_gate_the_eager_loops_expectation(cuda_host, tmp_path):
+    """The packed output's EXPECTED column from captured rounds (DSpark's confidence head, random weights) equals
+    the eager loop's expectation every round: what the confidence-priced draft gate reads on CUDA
+    (test_draft_gate has the CPU twin)."""
+    from tests.test_draft_gate import heard_expectations
+
+    drafter = build_any("dspark", cuda_host, tmp_path).to("cuda")
+    eager_ids, eager = heard_expectations(cuda_host, drafter, "eager")
+    fast_ids, fast = heard_expectations(cuda_host, drafter, "slots", graphs=True)
+    assert eager_ids == fast_ids and len(eager) == len(fast) > 1
+    assert all(e is not None for e in fast) and any(e > 0 for e in fast)
+    assert fast == pytest.approx(eager, abs=1e-3)
