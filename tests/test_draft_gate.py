@@ -376,7 +376,7 @@ def test_both_engines_tell_the_gate_the_confidences_expectation(tiny_host):
         assert a["expected"] is None or a["expected"] == pytest.approx(b["expected"], abs=1e-3)
 
 
-def heard_expectations(host, drafter, engine: str, graphs: bool | None = None) -> tuple[list, list]:
+def heard_expectations(host, drafter, engine: str, graphs: bool | str | None = None) -> tuple[list, list]:
     """(token ids, the expected accepted drafts told to a recording verify-all verifier each round) of a static
     batch of four prompts, greedy: what the engine's round hands the gate, without a gate deciding anything."""
     verifier = Recording(build_verifier("full"))

@@ -79,9 +79,9 @@ Session 10 (2026-12-07, eleventh session): the 1.5B GGUF staged again (a fresh C
   session).
 Session 11 (2026-12-07, fifteenth session): the tree (19.5 MB tracked) no longer leaves room for a 46 MiB chunk in
   a 64 MiB call, so step 2 ran with --chunk-mib 42 (27 chunks: chunk 1 the gguf wheel, sent with 2; the data wheels
-  with 27, the call that starts the training); five failed machine starts and two refused calls (555 s) left under
+  with 27, the call that starts the training); six failed machine starts and a refused call (555 s) left under
   1,450 s, so the re-run was not begun; the H100 ran issue 21's CUDA tests and issue 22's gate rows.
-Next: DSpark again for its `speed` (~22 min: staging ~2.5 (24 calls), conversion and pytest beside the training's
+Next: DSpark again for its `speed` (~22 min: staging ~2.5 (26 calls), conversion and pytest beside the training's
   start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
   left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
   1.07-1.16x at one request with a bf16 drafter). It needs about 1,400 s of the 1,800 with no failed start: when the
