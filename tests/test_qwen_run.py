@@ -105,6 +105,30 @@ def test_render_pairs_each_trained_drafter_once_and_adds_no_session(tmp_path, mo
     assert "| sharegpt_T0: dflash / ngram | 1.167 |" in (tmp_path / "results.md").read_text()
 
 
+def test_merge_adds_a_retrains_speed_and_session_and_keeps_the_recorded_training(tmp_path, monkeypatch):
+    """`merge`: a session that retrained a recorded drafter only to time it brings back bench.json files; the
+    recorded training, evaluations and other speeds stay, its rows and one sessions entry are added."""
+    recorded = tmp_path / "results.json"
+    evals = {"dspark_sharegpt_T0": _summary(3.0, [9, 9, 6], [3, 3, 2])}
+    recorded.write_text(json.dumps({"eval": evals, "train": {"dspark": {"steps": 2000}}, "sessions": [{"date": "one"}],
+                                    "settings": {"steps": 2000}, "draft_ms": {"dspark": {"1": 2.0}},
+                                    "speed": {"eagle3": {"1": {"tokens_per_s": 90.0, "ratio": 0.9}}}}))
+    module = _driver(tmp_path, monkeypatch, RECORDED=str(recorded), ONLY="dspark")
+    (module.RUN / "speed" / "dspark@humaneval").mkdir(parents=True)
+    (module.RUN / "speed" / "dspark@humaneval" / "bench.json").write_text(json.dumps({"rows": [
+        {"method": "plain", "concurrency": 8, "tokens_per_s": 200.0, "tau": 1.0, "mean_in_flight": 6.0},
+        {"method": "dspark", "concurrency": 8, "tokens_per_s": 150.0, "tau": 1.7, "mean_in_flight": 5.8}]}))
+    (module.RUN / "session.json").write_text(json.dumps({"date": "two", "gpu": "H100"}))
+    module.merge()
+    report = json.loads(recorded.read_text())
+    assert report["speed"]["eagle3"] == {"1": {"tokens_per_s": 90.0, "ratio": 0.9}}
+    assert report["speed"]["dspark@humaneval"]["8"]["ratio"] == pytest.approx(0.75)
+    assert report["train"] == {"dspark": {"steps": 2000}} and report["tau"] == {"dspark/sharegpt/T0": 3.0}
+    assert report["sessions"] == [{"date": "one"}, {"date": "two", "gpu": "H100"}]
+    assert "speed/dspark@humaneval" in report["notes"]  # the retrain's caveat travels with its rows
+    assert "| dspark@humaneval | 8 | 150.0 | 200.0 | 0.75 | 1.70 |" in (tmp_path / "results.md").read_text()
+
+
 def test_host_dtype_rows_stand_beside_the_float32_ones(tmp_path, monkeypatch):
     """DRAFTER_DTYPE=host: trained drafters decode in bf16 (`--drafter-dtype host`) and their draft cost and speed
     are keyed NAME~host, each priced against the drafter's own tau; the default keeps float32 under NAME."""

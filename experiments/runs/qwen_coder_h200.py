@@ -388,6 +388,13 @@ NOTES = {"draft_ms/ngram": "timed in session 6 (2026-12-06, H100) on a random Qw
                            "--tokens-per-request 1 --draft-lengths 7 --repeats 5 --warmup 2`, graph steps, nothing "
                            "else on the card): n-gram's propose reads the context's token ids, never the host's "
                            "weights; session 1's 2.42 ms ran beside DSpark's training and is replaced"}
+# DSpark's wall-clock rows: session 1's checkpoint stayed on its machine, so session 12 retrained it to time it
+_RETRAIN = ("timed in session 12 (2026-12-07, H100) with DSpark retrained there by the recorded recipe (session 1's "
+            "checkpoint was lost with its machine): the retrain's logged losses, acceptances, grad norms and learning "
+            "rates equal session 1's at all 2,004 logged rows (only timings differ), so it is the same drafter to "
+            "logging precision. Unlike the DFlash / EAGLE-3 rows (sessions 4-5), these ran the split argmax and the "
+            "drafter's admission replayed as CUDA graphs (bench.json: drafter_admission captured)")
+NOTES.update({"speed/dspark": _RETRAIN, "speed/dspark@humaneval": _RETRAIN})
 
 
 def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None, speed: dict | None = None) -> dict:
@@ -421,7 +428,7 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
                      "regenerate": REGEN, "eval": EVAL, "drafters": RECIPES,
                      "common": base.common_yaml(), "dry_run": DRY_RUN},
         "speed": speed or {}, "train": train, "sessions": sessions, "eval": evals,
-        "notes": {key: note for key, note in NOTES.items() if key.split("/")[1] in drafts},
+        "notes": {key: note for key, note in NOTES.items() if key.split("/")[1] in {**drafts, **(speed or {})}},
     }
 
 
@@ -473,6 +480,19 @@ def render() -> None:
     report["settings"] = previous["settings"]
     _write(path.parent, report)
     say(f"rendered {path} and results.md again: {len(report['paired'])} paired comparisons")
+
+
+def merge() -> None:
+    """RECORDED's results.json gains RUN's wall-clock rows (RUN/speed/*/bench.json) and one sessions entry
+    (RUN/session.json), then is rendered: for a session that retrained a recorded drafter only to time it (checkpoints
+    stay on the machine), whose bench.json files came back to this machine. Unlike `collect`, the recorded training
+    summary, curves and evaluations stay as they are; the retrain's log belongs in that session's details."""
+    path = Path(RECORDED)
+    previous = json.loads(path.read_text())
+    previous["speed"] = speeds(previous)
+    previous["sessions"] = [*previous["sessions"], json.loads((RUN / "session.json").read_text())]
+    path.write_text(json.dumps(previous, indent=1, default=str) + "\n")
+    render()
 
 
 def _write(folder: Path, report: dict) -> None:
@@ -555,7 +575,7 @@ def wait_for_background() -> bool:
 
 
 PHASES = {"prepare": prepare, "regenerate": regenerate, "train": base.train, "baselines": baselines, "speed": speed,
-          "evaluate": evaluate, "collect": collect, "render": render, "status": status}
+          "evaluate": evaluate, "collect": collect, "render": render, "merge": merge, "status": status}
 
 
 def main(argv: list[str]) -> None:
