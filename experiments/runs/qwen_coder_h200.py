@@ -81,13 +81,15 @@ Session 11 (2026-12-07, fifteenth session): the tree (19.5 MB tracked) no longer
   a 64 MiB call, so step 2 ran with --chunk-mib 42 (27 chunks: chunk 1 the gguf wheel, sent with 2; the data wheels
   with 27, the call that starts the training); six failed machine starts and a refused call (555 s) left under
   1,450 s, so the re-run was not begun; the H100 ran issue 21's CUDA tests and issue 22's gate rows.
-Next: DSpark again for its `speed` (~22 min: staging ~2.5 (26 calls), conversion and pytest beside the training's
-  start ~2, training 15.3 (session 1: 919 s for its 2000 steps with the evaluations), `speed` ~2.5), then, if time is
-  left, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q speed collect` (its bf16 rows; the round profile predicts
-  1.07-1.16x at one request with a bf16 drafter). It needs about 1,400 s of the 1,800 with no failed start: when the
-  first starts fail (each costs 90-180 s) and less than 1,450 s is left, do not begin it; take the profile-style work
-  that needs no staging. Its `speed` rows will run the split argmax, the other drafters' (sessions 3-5) did not: say
-  so where DSpark's ratio is set beside theirs.
+Session 12 (2026-12-07, sixteenth session, H100): the re-run, done (benchmarks/h200/qwen_coder_1p5b/README.md):
+  staging 26 calls, chunk 27's call 181 s (conversion, the training's start, the CUDA tests beside it: 46 passed),
+  training 0.437 s a step (its log equal to session 1's at every logged row), `ONLY=dspark BASELINES= timeout 265 Q
+  speed` 184 s, then `tar` of $RUN/speed, the logs and dspark/metrics.jsonl into $OUT and `merge` on the CPU (not
+  `collect`, which would record the retrain as a new training); 1,695 s with one failed start.
+Next (optional): DSpark's bf16 rows, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q evaluate speed`, need the same
+  retrain first (~1,500 s with `speed` and the bf16 pass; the round profile predicts 1.07-1.16x at one request with a
+  bf16 drafter), then the same `merge`. DSpark's `speed` rows ran the split argmax, the other drafters' (sessions 3-5)
+  did not: say so where DSpark's ratio is set beside theirs.
   A session each: the chunks' `bash .device-stage/K/unstage.sh` calls (each with carry [".device-stage/K"]); in the
   call whose unstage.sh prints "ready: ...1.5b...": `python3 -m pip install -q --no-index --no-deps --target /tmp/site
   /tmp/dspark-stage/*.whl && $E && ONLY=<drafter> TRAIN_WAIT_S=0 Q background prepare regenerate train`, then in the
