@@ -118,6 +118,9 @@ def test_merge_adds_a_retrains_speed_and_session_and_keeps_the_recorded_training
     (module.RUN / "speed" / "dspark@humaneval" / "bench.json").write_text(json.dumps({"rows": [
         {"method": "plain", "concurrency": 8, "tokens_per_s": 200.0, "tau": 1.0, "mean_in_flight": 6.0},
         {"method": "dspark", "concurrency": 8, "tokens_per_s": 150.0, "tau": 1.7, "mean_in_flight": 5.8}]}))
+    (module.RUN / "draft_cost").mkdir()  # a bf16 pass's draft cost (DRAFTER_DTYPE=host): keyed dspark~host
+    (module.RUN / "draft_cost" / "dspark~host.json").write_text(json.dumps(
+        {"draft": {"dspark/K7/123": {"batch_sizes": [1, 16], "seconds": [0.001, 0.002]}}}))
     (module.RUN / "session.json").write_text(json.dumps({"date": "two", "gpu": "H100"}))
     module.merge()
     report = json.loads(recorded.read_text())
@@ -125,6 +128,8 @@ def test_merge_adds_a_retrains_speed_and_session_and_keeps_the_recorded_training
     assert report["speed"]["dspark@humaneval"]["8"]["ratio"] == pytest.approx(0.75)
     assert report["train"] == {"dspark": {"steps": 2000}} and report["tau"] == {"dspark/sharegpt/T0": 3.0}
     assert report["sessions"] == [{"date": "one"}, {"date": "two", "gpu": "H100"}]
+    assert report["draft_ms"] == {"dspark": {"1": 2.0},
+                                  "dspark~host": {"1": pytest.approx(1.0), "16": pytest.approx(2.0)}}
     assert "speed/dspark@humaneval" in report["notes"]  # the retrain's caveat travels with its rows
     assert "| dspark@humaneval | 8 | 150.0 | 200.0 | 0.75 | 1.70 |" in (tmp_path / "results.md").read_text()
 

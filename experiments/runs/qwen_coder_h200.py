@@ -106,10 +106,10 @@ Next (optional): DSpark's bf16 rows, `DRAFTER_DTYPE=host ONLY=dspark BASELINES= 
   do not lower it for one drafter). DSpark's own `speed` needs it trained again (14 min).
 Drafter dtype: sessions 1-4 evaluated, profiled and timed DSpark and DFlash with float32 drafters on the bf16
 host (before drafters.for_inference, `dspark` decoded so); the driver keeps that (DRAFTER_DTYPE=float32) so that
-EAGLE-3's rows compare with theirs. In DSpark's re-run session, after its float32 `evaluate` and `speed`,
-`DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q evaluate speed collect` measures what bf16 drafting buys: its draft
-cost and speed land under dspark~host beside the float32 ones (its tau is not re-evaluated; should the draft cost
-halve, DSpark's tau per draft-ms against the small LM's, a target missed at float32, would move).
+EAGLE-3's rows compare with theirs. In a DSpark re-run session (session 12 had time for the float32 `speed` only),
+`DRAFTER_DTYPE=host ONLY=dspark BASELINES= Q evaluate speed` and then `merge` of what comes back measures what bf16
+drafting buys: its draft cost and speed land under dspark~host beside the float32 ones (its tau is not re-evaluated;
+should the draft cost halve, DSpark's tau per draft-ms against the small LM's, a target missed at float32, would move).
 Never leave the warm machine idle: with nothing else to do, the next call is `train` (it waits TRAIN_WAIT_S).
 Session 2 (2026-12-06, H100) lost the machine, and DFlash at step ~870, to one pause of over 30 s between two calls
 (starting a helper agent): do nothing slow between calls; read logs inside the calls. Measured there: the 0.5B's
@@ -485,13 +485,14 @@ def render() -> None:
 
 
 def merge() -> None:
-    """RECORDED's results.json gains RUN's wall-clock rows (RUN/speed/*/bench.json) and one sessions entry
-    (RUN/session.json), then is rendered: for a session that retrained a recorded drafter only to time it (checkpoints
-    stay on the machine), whose bench.json files came back to this machine. Unlike `collect`, the recorded training
-    summary, curves and evaluations stay as they are; the retrain's log belongs in that session's details."""
+    """RECORDED's results.json gains RUN's wall-clock rows (RUN/speed/*/bench.json), draft costs
+    (RUN/draft_cost/*.json) and one sessions entry (RUN/session.json), then is rendered: for a session that retrained
+    a recorded drafter only to time it (checkpoints stay on the machine), whose files came back to this machine.
+    Unlike `collect`, the recorded training summary, curves and evaluations stay as they are; the retrain's log
+    belongs in that session's details."""
     path = Path(RECORDED)
     previous = json.loads(path.read_text())
-    previous["speed"] = speeds(previous)
+    previous["speed"], previous["draft_ms"] = speeds(previous), draft_ms(previous)
     previous["sessions"] = [*previous["sessions"], json.loads((RUN / "session.json").read_text())]
     path.write_text(json.dumps(previous, indent=1, default=str) + "\n")
     render()
