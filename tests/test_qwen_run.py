@@ -132,6 +132,8 @@ def test_merge_adds_a_retrains_speed_and_session_and_keeps_the_recorded_training
                                   "dspark~host": {"1": pytest.approx(1.0), "16": pytest.approx(2.0)}}
     assert "speed/dspark@humaneval" in report["notes"]  # the retrain's caveat travels with its rows
     assert "| dspark@humaneval | 8 | 150.0 | 200.0 | 0.75 | 1.70 |" in (tmp_path / "results.md").read_text()
+    module.merge()  # again, on the same files: nothing added twice
+    assert json.loads(recorded.read_text()) == report
 
 
 def test_host_dtype_rows_stand_beside_the_float32_ones(tmp_path, monkeypatch):

@@ -493,7 +493,9 @@ def merge() -> None:
     path = Path(RECORDED)
     previous = json.loads(path.read_text())
     previous["speed"], previous["draft_ms"] = speeds(previous), draft_ms(previous)
-    previous["sessions"] = [*previous["sessions"], json.loads((RUN / "session.json").read_text())]
+    session = json.loads((RUN / "session.json").read_text())
+    if session not in previous["sessions"]:  # merging the same files again adds nothing
+        previous["sessions"] = [*previous["sessions"], session]
     path.write_text(json.dumps(previous, indent=1, default=str) + "\n")
     render()
 
