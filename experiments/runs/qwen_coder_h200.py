@@ -394,7 +394,7 @@ NOTES = {"draft_ms/ngram": "timed in session 6 (2026-12-06, H100) on a random Qw
 _RETRAIN = ("timed in session 12 (2026-12-07, H100) with DSpark retrained there by the recorded recipe (session 1's "
             "checkpoint was lost with its machine): the retrain's logged losses, acceptances, grad norms and learning "
             "rates equal session 1's at all 2,004 logged rows (only timings differ), so it is the same drafter to "
-            "logging precision. Unlike the DFlash / EAGLE-3 rows (sessions 4-5), these ran the split argmax and the "
+            "logging precision. Unlike the other methods' rows (sessions 3-5), these ran the split argmax and the "
             "drafter's admission replayed as CUDA graphs (bench.json: drafter_admission captured)")
 NOTES.update({"speed/dspark": _RETRAIN, "speed/dspark@humaneval": _RETRAIN})
 
