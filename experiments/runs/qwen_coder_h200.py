@@ -430,7 +430,7 @@ def results(evals: dict, train: dict, sessions: list, drafts: dict | None = None
                      "regenerate": REGEN, "eval": EVAL, "drafters": RECIPES,
                      "common": base.common_yaml(), "dry_run": DRY_RUN},
         "speed": speed or {}, "train": train, "sessions": sessions, "eval": evals,
-        "notes": {key: note for key, note in NOTES.items() if key.split("/")[1] in {**drafts, **(speed or {})}},
+        "notes": {key: note for key, note in NOTES.items() if key.split("/")[1] in {*drafts, *(speed or {})}},
     }
 
 
@@ -471,12 +471,13 @@ def collect() -> None:
     say(f"collected into {OUT}: {sorted(p.name for p in OUT.iterdir())}; missing: {report['missing'] or 'none'}")
 
 
-def render() -> None:
+def render(previous: dict | None = None) -> None:
     """RECORDED's results.json and results.md written again, in place, from the evaluations, trainings, sessions,
     draft costs and speeds it holds (no session added, nothing read from RUN): for a change of how results are
-    derived or shown, e.g. which pairs are compared. Its settings stay the recorded ones."""
+    derived or shown, e.g. which pairs are compared. Its settings stay the recorded ones. `previous`: that content
+    already read and amended (`merge`) instead of the file's."""
     path = Path(RECORDED)
-    previous = json.loads(path.read_text())
+    previous = previous or json.loads(path.read_text())
     report = results(previous["eval"], previous["train"], previous["sessions"], previous.get("draft_ms", {}),
                      previous.get("speed", {}))
     report["settings"] = previous["settings"]
@@ -490,14 +491,12 @@ def merge() -> None:
     a recorded drafter only to time it (checkpoints stay on the machine), whose files came back to this machine.
     Unlike `collect`, the recorded training summary, curves and evaluations stay as they are; the retrain's log
     belongs in that session's details."""
-    path = Path(RECORDED)
-    previous = json.loads(path.read_text())
+    previous = json.loads(Path(RECORDED).read_text())
     previous["speed"], previous["draft_ms"] = speeds(previous), draft_ms(previous)
     session = json.loads((RUN / "session.json").read_text())
     if session not in previous["sessions"]:  # merging the same files again adds nothing
         previous["sessions"] = [*previous["sessions"], session]
-    path.write_text(json.dumps(previous, indent=1, default=str) + "\n")
-    render()
+    render(previous)
 
 
 def _write(folder: Path, report: dict) -> None:
