@@ -6,6 +6,12 @@ run.yaml`, a mapping whose keys are the same field names. Precedence: dataclass 
 Unknown keys are errors that name the key and list the valid ones; values are checked against the field types
 (int, float, bool, str, Optional[...], list[...], dict[str, ...], Literal[...] choices).
 
+A recipe file holds several commands' settings in one YAML: top-level keys that name a command (`train`, `eval`,
+`bench`, `profile`, ... : the last word of the command, so `dspark experiment concurrency` reads `concurrency`) are
+sections, and `dspark <command> --config recipe.yaml` reads its own section plus those of the top-level keys that are
+not sections and that the command has (settings several commands share, e.g. `host`). Other commands' sections are skipped; a recipe with no
+section for the command is an error that lists the sections it has. `experiments/recipes/` holds the recorded ones.
+
 List and mapping flags take several values and append when repeated: `--prompt A --prompt B` and
 `--prompt A B` are both two prompts, `--drafter-args a=1 --drafter-args b=2` both pairs. A value is one item as
 typed: `--prompt "Name three primes, please."` is one prompt; only lists of numbers may also be written
@@ -229,6 +235,27 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+#: top-level keys that make a YAML file a recipe (one section per command); see the module docstring
+RECIPE_SECTIONS = frozenset({"train", "regenerate", "quickstart", "generate", "eval", "compare", "profile", "calibrate",
+                             "sweep", "bench", "export", "report", "concurrency", "savings", "threshold", "length",
+                             "acceptance", "simulate", "validate"})
+
+
+def config_section(data: dict, prog: str | None, source: str, valid: Sequence[str]) -> dict:
+    """The settings `prog` (e.g. "dspark train") reads from the YAML mapping `data`: all of it for a plain config file;
+    for a recipe (a mapping with command sections), the shared top-level keys among `valid` plus the command's own
+    section (whose keys are all checked)."""
+    sections = sorted(k for k in data if k in RECIPE_SECTIONS and isinstance(data[k], dict))
+    if not sections:
+        return data
+    name = (prog or "").split()[-1] if prog else None
+    if name not in sections:
+        raise ConfigError(f"{source} is a recipe with sections for {', '.join(sections)}, none for "
+                          f"{prog or 'this command'!r}: run one of those commands with it")
+    shared = {k: v for k, v in data.items() if k not in RECIPE_SECTIONS and k in valid}
+    return {**shared, **data[name]}
+
+
 def _build(dataclass_types: Sequence[type], values: dict[str, Any]) -> tuple:
     fields = _fields(dataclass_types)
     missing = [n for n, (_, f, _) in fields.items() if n not in values and _default(f) is _MISSING]
@@ -250,7 +277,7 @@ def parse(dataclass_types: Sequence[type], argv: Sequence[str] | None = None, *,
     values: dict[str, Any] = {}
     config_path = args.pop("config", None)
     if config_path is not None:
-        data = load_yaml(config_path)
+        data = config_section(load_yaml(config_path), prog, f"config file {config_path}", list(fields))
         _check_keys(data, list(fields), f"config file {config_path}")
         values.update({k: coerce(v, fields[k][2], k) for k, v in data.items()})
     for name, raw in args.items():

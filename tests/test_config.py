@@ -151,3 +151,18 @@ def test_a_comma_inside_a_text_value_is_text(tmp_path):
     assert opts.prompt == ["Hi, there"] and opts.sizes == [2, 3]
     (opts,) = parse([Lists], ["--config", write(tmp_path, "prompt: [x, y]\nsizes: [5]\n"), "--prompt", "z"])
     assert opts.prompt == ["z"] and opts.sizes == [5]  # a flag replaces the YAML list
+
+
+def test_a_recipe_gives_each_command_its_section_and_the_shared_keys(tmp_path):
+    path = write(tmp_path, "host: qwen\ntrain:\n  max_steps: 9\n  drafter_args: {num_layers: 2}\n"
+                           "eval:\n  output: runs/eval.json\n")
+    (run,) = parse([Run], ["--config", path], prog="dspark train")
+    assert (run.host, run.max_steps, run.drafter_args) == ("qwen", 9, {"num_layers": 2})
+    (other,) = parse([Other], ["--config", path], prog="dspark eval")  # the train section is not read here
+    assert other.output == "runs/eval.json"
+    (run,) = parse([Run], ["--config", path, "--max-steps", "2"], prog="dspark train")  # flags still win
+    assert run.max_steps == 2
+    with pytest.raises(ConfigError, match="sections for eval, train, none for 'dspark bench'"):
+        parse([Run], ["--config", path], prog="dspark bench")
+    with pytest.raises(ConfigError, match="unknown key 'max_stepz'"):
+        parse([Run], ["--config", write(tmp_path, "train:\n  max_stepz: 3\n")], prog="dspark train")
