@@ -11,7 +11,7 @@ import warnings
 from typing import Callable
 
 from drafters import deepspec as _deepspec  # noqa: F401  registers the reference's checkpoint layout
-from drafters.checkpoint import CheckpointError, read_config
+from drafters.checkpoint import LEGACY_CONFIG_KEYS, CheckpointError, read_config
 from drafters.dspark import DSparkConfig, DSparkDrafter, dflash_config
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.mtp import MTPConfig, MTPDrafter
@@ -89,6 +89,7 @@ def build_drafter(name: str, host, *, checkpoint: str | os.PathLike | None = Non
     checkpoint's config), else freshly built from its config dataclass with `overrides` (random weights: warns)."""
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter '{name}'; choose one of {sorted(DRAFTERS)}")
+    overrides = {LEGACY_CONFIG_KEYS.get(k, k): v for k, v in overrides.items()}
     return DRAFTERS[name](host, checkpoint, **overrides)
 
 

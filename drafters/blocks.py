@@ -265,9 +265,9 @@ def sparse_training_attention(x: torch.Tensor) -> bool:
     `dspark train --bf16` runs), unless DSPARK_SPARSE_ATTENTION=0 (or `dspark train --sparse-attention false`, which
     sets the drafter's `sparse_attention` to False).
 
-    why: the dense mask makes every block query score all T + A*gamma keys, of which it may see at most T + gamma
-    (its own block's gamma among the A*gamma block slots, and only context before its anchor), so the cost grows as
-    A^2; flex attention skips the fully masked 128 x 128 tiles (benchmarks/RESULTS.md has the measured step times).
+    why: the dense mask makes every block query score all T + A*S keys, of which it may see at most T + S (its own
+    block's S among the A*S block slots, and only context before its anchor), so the cost grows as A^2; flex
+    attention skips the fully masked 128 x 128 tiles (benchmarks/RESULTS.md has the measured step times).
     why not elsewhere: on a CPU flex attention has no compiled kernel and no backward; on the H200 (torch 2.11)
     inductor found no flex kernel configuration for fp32 inputs; without triton torch.compile has no GPU backend."""
     if x.device.type != "cuda" or os.environ.get("DSPARK_SPARSE_ATTENTION", "1") == "0" or not _HAS_TRITON:
@@ -282,32 +282,32 @@ def _flex_attention(device_type: str):
     return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
 
 
-def block_training_mask(anchors: torch.Tensor, *, gamma: int, document_ids: torch.Tensor, dtype: torch.dtype,
+def block_training_mask(anchors: torch.Tensor, *, block_size: int, document_ids: torch.Tensor, dtype: torch.dtype,
                         sparse: bool = False) -> torch.Tensor | BlockMask:
-    """Additive (B, 1, A*gamma, T + A*gamma) for A blocks of gamma slots laid out anchor-major; with sparse=True the
+    """Additive (B, 1, A*S, T + A*S) for A blocks of S = block_size slots laid out anchor-major; with sparse=True the
     flex-attention BlockMask of exactly the same allowed keys.
 
     Block j (anchored at anchors[b, j]) sees context positions t < anchor_j of the anchor's own document and the
-    gamma slots of its own block (bidirectionally), nothing of the other blocks.
+    S slots of its own block (bidirectionally), nothing of the other blocks.
     """
     B, A = anchors.shape
     T = document_ids.shape[1]
     anchor_doc = document_ids.gather(1, anchors)  # (B, A)
     if sparse:
-        slot_anchor = anchors.repeat_interleave(gamma, dim=1)  # (B, A*gamma) the anchor of each query slot
-        slot_doc = anchor_doc.repeat_interleave(gamma, dim=1)  # (B, A*gamma)
+        slot_anchor = anchors.repeat_interleave(block_size, dim=1)  # (B, A*S) the anchor of each query slot
+        slot_doc = anchor_doc.repeat_interleave(block_size, dim=1)  # (B, A*S)
 
         def allowed(b, h, q, kv):  # flex mask_mod: scalar indices in, bool out (flex vectorises it)
             t = kv.clamp(max=T - 1)
             context = (kv < T) & (t < slot_anchor[b, q]) & (document_ids[b, t] == slot_doc[b, q])
-            return context | ((kv >= T) & ((kv - T) // gamma == q // gamma))
+            return context | ((kv >= T) & ((kv - T) // block_size == q // block_size))
 
-        return create_block_mask(allowed, B, None, A * gamma, T + A * gamma, device=anchors.device)
+        return create_block_mask(allowed, B, None, A * block_size, T + A * block_size, device=anchors.device)
     t = torch.arange(T, device=anchors.device)
     ctx_ok = (t.view(1, 1, T) < anchors.unsqueeze(2)) & (document_ids.unsqueeze(1) == anchor_doc.unsqueeze(2))
-    ctx_ok = ctx_ok.repeat_interleave(gamma, dim=1)  # (B, A*gamma, T)
-    block_of = torch.arange(A, device=anchors.device).repeat_interleave(gamma)  # (A*gamma,)
-    blk_ok = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).expand(B, A * gamma, A * gamma)
+    ctx_ok = ctx_ok.repeat_interleave(block_size, dim=1)  # (B, A*S, T)
+    block_of = torch.arange(A, device=anchors.device).repeat_interleave(block_size)  # (A*S,)
+    blk_ok = (block_of.unsqueeze(1) == block_of.unsqueeze(0)).expand(B, A * block_size, A * block_size)
     return additive_mask(torch.cat([ctx_ok, blk_ok], dim=-1), dtype)
 
 

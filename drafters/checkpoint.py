@@ -43,6 +43,8 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
+#: config keys renamed since checkpoints and drafter_args were first written: old name -> current name
+LEGACY_CONFIG_KEYS = {"gamma": "block_size"}  # DSpark / DFlash's trained block size
 
 
 class CheckpointError(ValueError):
@@ -210,6 +212,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     if config["format_version"] != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format_version {config['format_version']}; this version reads "
                               f"{FORMAT_VERSION}")
+    config["config"] = {LEGACY_CONFIG_KEYS.get(k, k): v for k, v in config["config"].items()}
     return config
 
 

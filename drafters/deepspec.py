@@ -133,7 +133,7 @@ def checkpoint_config(raw: dict, *, source: str) -> dict:
         config = {k: extra.get(k, defaults[k]) for k in TRAINING_ONLY["dspark"]}
         # the reference embeds the mask slots with its frozen copy of the target's row mask_token_id
         config["mask_token_id"] = extra.get("mask_token_id") if "dspark" in raw else int(raw["mask_token_id"])
-        config.update(feature_layers=taps, num_layers=int(raw["num_hidden_layers"]), gamma=int(raw["block_size"]),
+        config.update(feature_layers=taps, num_layers=int(raw["num_hidden_layers"]), block_size=int(raw["block_size"]),
                       head=head, confidence=confidence,
                       max_anchors=int(raw.get("num_anchors", defaults["max_anchors"])))
         if rank > 0:
@@ -231,7 +231,7 @@ def deepspec_config(drafter, host, *, mask_token_id: int | None, dtype: torch.dt
                dtype=str(dtype).removeprefix("torch."))
     if kind == "dspark":
         out.update(num_hidden_layers=cfg.num_layers, layer_types=["full_attention"] * cfg.num_layers,
-                   block_size=cfg.gamma, mask_token_id=mask_token_id, num_anchors=cfg.max_anchors,
+                   block_size=cfg.block_size, mask_token_id=mask_token_id, num_anchors=cfg.max_anchors,
                    enable_confidence_head=cfg.confidence, markov_rank=0 if cfg.head == "none" else cfg.rank)
         if cfg.confidence:
             out["confidence_head_with_markov"] = cfg.head != "none"

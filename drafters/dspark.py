@@ -1,12 +1,13 @@
 """DSpark drafter (DSPARK.md §2.1-2.3, §3): a parallel KV-injection backbone plus a light sequential head.
 DFlash is the same drafter with the head and the confidence off: `dflash_config()`.
 
-Shapes: B requests, K draft positions this round (K <= gamma), gamma trained block size, V vocabulary,
-H hidden size (the host's), F = m*H concatenated host features, r head rank, T training tokens, A anchors.
+Shapes: B requests, K draft positions this round (K <= S), S = block_size slots per block (the trained block size),
+V vocabulary, H hidden size (the host's), F = m*H concatenated host features, r head rank, T training tokens,
+A anchors.
 Notation: x0 anchor, x_k drafts, U_k backbone logits, B_k head bias, q_k = softmax(U_k + B_k) draft distribution,
 c_k confidence, p_k host distribution.
 
-One round: the block [x0, mask, ..., mask] (gamma slots, at absolute positions anchor..anchor+gamma-1) runs through
+One round: the block [x0, mask, ..., mask] (S slots, at absolute positions anchor..anchor+S-1) runs through
 the backbone ONCE, attending to the context K/V of positions < anchor; then a cheap loop over k samples
 x_k ~ q_k(· | x0, x<k) left to right through the head, B_k depending on x_{k-1} (and, for the RNN head, a state).
 
@@ -15,9 +16,9 @@ Design choices:
     spare token id to reserve, and the slot needs no meaning beyond "unknown token here". With `mask_token_id` set
     they are instead the host's frozen embedding of that token, as DeepSpec does (docs/DEEPSPEC.md): serving
     engines that embed the block with the target's own embedding then draft exactly as here.
-  - The backbone always runs the trained block of gamma slots (the block attends bidirectionally, so its hidden
-    states depend on the number of slots) and the head drafts the first K; K > gamma is refused, since positions
-    past gamma were never trained.
+  - The backbone always runs the trained block of block_size slots (the block attends bidirectionally, so its hidden
+    states depend on the number of slots) and the head drafts the first K; K > block_size is refused, since positions
+    past block_size were never trained.
   - The context cache is a `dspark.engine.kv_cache.KVCache` with one entry per backbone layer: observe() writes
     K(H_ctx), V(H_ctx) of newly committed positions by absolute position and sets each row's length, so rejected
     positions are simply overwritten next round.
@@ -62,7 +63,7 @@ class DSparkConfig(HostFields):
     feature_layers: tuple[int, ...] | None = None  # host layers whose outputs form H_ctx; None = spread_layers(NL, m)
     num_feature_layers: int = 5  # m, used when feature_layers is None
     num_layers: int = 3  # N backbone layers
-    gamma: int = 7  # block size: slots trained per block; inference drafts K <= gamma of them
+    block_size: int = 7  # block size: slots trained per block; inference drafts K <= block_size of them
     head: str = "markov"  # sequential head: markov | gated | rnn | none (none = DFlash)
     rank: int = 256  # r of W1 (V x r) and W2 (r x V)
     confidence: bool = True  # train and emit c_k
@@ -78,7 +79,7 @@ class DSparkConfig(HostFields):
     def __post_init__(self) -> None:
         if self.head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
-        for name in ("num_feature_layers", "num_layers", "gamma", "rank", "max_anchors"):
+        for name in ("num_feature_layers", "num_layers", "block_size", "rank", "max_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         super().__post_init__()
@@ -108,10 +109,10 @@ class HeadStep:
 
 @dataclass
 class BlockLogits:
-    """Teacher-forced outputs of A blocks of gamma slots per sequence."""
+    """Teacher-forced outputs of A blocks of block_size slots per sequence."""
 
-    q_logits: torch.Tensor  # (B, A, gamma, V) U_k + B_k
-    conf_logits: torch.Tensor | None  # (B, A, gamma)
+    q_logits: torch.Tensor  # (B, A, S, V) U_k + B_k
+    conf_logits: torch.Tensor | None  # (B, A, S)
 
 
 class DSparkDrafter(Checkpointable, nn.Module, Drafter):
@@ -196,19 +197,19 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         return h @ head.weight[0, : h.shape[-1]] + head.bias[0]
 
     def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """[embed(x0), mask, ..., mask] for anchors (...,): (..., gamma, H)."""
+        """[embed(x0), mask, ..., mask] for anchors (...,): (..., S, H)."""
         x0 = self.shared.embed(anchor_tokens, self.dtype).unsqueeze(-2)  # (..., 1, H)
         mask_id = self.config.mask_token_id
         mask = (self.mask_embedding if mask_id is None
                 else self.shared.embed(torch.tensor(mask_id, device=x0.device), self.dtype))  # (H,)
-        masks = mask.expand(x0.shape[:-2] + (self.config.gamma - 1, x0.shape[-1]))
+        masks = mask.expand(x0.shape[:-2] + (self.config.block_size - 1, x0.shape[-1]))
         return torch.cat([x0, masks], dim=-2)
 
     # ---- decoding -------------------------------------------------------------------------------------------
 
     def begin(self, *, host, batch_size: int, max_len: int) -> None:
         # room for a block past the longest context (propose writes it there), aligned as the engine's own caches
-        width = aligned_length(max_len + self.config.gamma)
+        width = aligned_length(max_len + self.config.block_size)
         self.cache = KVCache(num_layers=self.config.num_layers, batch_size=batch_size,
                              num_kv_heads=host.num_kv_heads, max_len=width, head_dim=host.head_dim,
                              dtype=self.dtype, device=host.device)
@@ -226,15 +227,15 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     @torch.no_grad()
     def propose(self, state: DraftState, K: int) -> Proposal:
-        cfg, gamma = self.config, self.config.gamma
-        if K > gamma:
-            raise ValueError(f"draft_length K={K} exceeds the drafter's trained block size gamma={gamma}")
+        cfg, block_size = self.config, self.config.block_size
+        if K > block_size:
+            raise ValueError(f"draft_length K={K} exceeds the drafter's trained block_size={block_size}")
         anchor = state.anchor  # (B,)
         B = anchor.shape[0]
-        x = self._block_input(anchor)  # (B, gamma, H)
-        positions = self.cache.lengths.unsqueeze(1) + torch.arange(gamma, device=anchor.device)  # (B, gamma)
+        x = self._block_input(anchor)  # (B, S, H)
+        positions = self.cache.lengths.unsqueeze(1) + torch.arange(block_size, device=anchor.device)  # (B, S)
         cos, sin = self.shared.rotary(x, positions)
-        mask = cached_block_mask(self.cache.lengths, width=self.cache.max_len, block=gamma, dtype=x.dtype)
+        mask = cached_block_mask(self.cache.lengths, width=self.cache.max_len, block=block_size, dtype=x.dtype)
         # the block's keys go into the cache at its positions, past the context (cached_block_mask)
         h = self.backbone(x, cos=cos, sin=sin, context=None, mask=mask, cache=(self.cache, positions))  # (B, γ, H)
         U = self.shared.logits(h[:, :K])  # (B, K, V)
@@ -269,92 +270,92 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     def block_hidden(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
                      anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Backbone hidden states h (B, A, gamma, H) of every block anchored at anchors (B, A), in one backbone pass
+        """Backbone hidden states h (B, A, S, H) of every block anchored at anchors (B, A), in one backbone pass
         over all blocks of all sequences (the block attention mask keeps them apart), and each slot's teacher-forced
-        previous token prev (B, A, gamma): the true token at anchor + k (x0 = the anchor for k = 0)."""
-        gamma = self.config.gamma
+        previous token prev (B, A, S): the true token at anchor + k (x0 = the anchor for k = 0)."""
+        block_size = self.config.block_size
         B, A = anchors.shape
         T = input_ids.shape[1]
         doc_pos = document_positions(document_ids)  # (B, T)
         ctx = self.context_norm(self.fc(features.to(self.dtype)))  # (B, T, H)
         ctx_cos, ctx_sin = self.shared.rotary(ctx, doc_pos)
-        x = self._block_input(input_ids.gather(1, anchors)).flatten(1, 2)  # (B, A*gamma, H)
-        k = torch.arange(gamma, device=anchors.device)
-        slot_pos = (doc_pos.gather(1, anchors).unsqueeze(2) + k).flatten(1)  # (B, A*gamma)
+        x = self._block_input(input_ids.gather(1, anchors)).flatten(1, 2)  # (B, A*S, H)
+        k = torch.arange(block_size, device=anchors.device)
+        slot_pos = (doc_pos.gather(1, anchors).unsqueeze(2) + k).flatten(1)  # (B, A*S)
         cos, sin = self.shared.rotary(x, slot_pos)
-        mask = block_training_mask(anchors, gamma=gamma, document_ids=document_ids, dtype=x.dtype,
+        mask = block_training_mask(anchors, block_size=block_size, document_ids=document_ids, dtype=x.dtype,
                                    sparse=sparse_training_attention(x) if self.sparse_attention is None
                                    else self.sparse_attention)
         h = self.backbone(x, cos=cos, sin=sin, context=self.backbone.context_kv(ctx, ctx_cos, ctx_sin), mask=mask)
-        prev = input_ids.gather(1, (anchors.unsqueeze(2) + k).clamp(max=T - 1).flatten(1)).view(B, A, gamma)
-        return h.view(B, A, gamma, -1), prev
+        prev = input_ids.gather(1, (anchors.unsqueeze(2) + k).clamp(max=T - 1).flatten(1)).view(B, A, block_size)
+        return h.view(B, A, block_size, -1), prev
 
     def head_logits(self, h: torch.Tensor, prev: torch.Tensor) -> BlockLogits:
-        """Teacher-forced q logits (..., gamma, V) and confidence logits of blocks from their backbone hidden states
-        h (..., gamma, H) and previous tokens prev (..., gamma)."""
-        U = self.shared.logits(h)  # (..., gamma, V)
+        """Teacher-forced q logits (..., S, V) and confidence logits of blocks from their backbone hidden states
+        h (..., S, H) and previous tokens prev (..., S)."""
+        U = self.shared.logits(h)  # (..., S, V)
         biases, confs, s = [], [], None
-        for j in range(self.config.gamma):  # why a loop: the RNN state is sequential; γ is small, the other heads cheap
+        for j in range(self.config.block_size):  # why a loop: the RNN state is sequential; S is small, the heads cheap
             step = self.head_step(prev[..., j], h[..., j, :], s)
             biases.append(step.bias)
             confs.append(step.conf_logit)
             s = step.state
         q_logits = U if biases[0] is None else U + torch.stack(biases, dim=-2)
-        conf = torch.stack(confs, dim=-1) if self.config.confidence else None  # (..., gamma)
+        conf = torch.stack(confs, dim=-1) if self.config.confidence else None  # (..., S)
         return BlockLogits(q_logits=q_logits, conf_logits=conf)
 
     def block_logits(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
                      anchors: torch.Tensor) -> BlockLogits:
-        """Teacher-forced q logits (B, A, gamma, V) and confidence logits (B, A, gamma) of every block anchored at
+        """Teacher-forced q logits (B, A, S, V) and confidence logits (B, A, S) of every block anchored at
         anchors (B, A). For inspection and tests: training never holds all of them (`training_loss`)."""
         return self.head_logits(*self.block_hidden(input_ids=input_ids, features=features,
                                                    document_ids=document_ids, anchors=anchors))
 
     def _block_terms(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, targets: torch.Tensor,
                      host_logits: torch.Tensor, start: int, stop: int) -> tuple:
-        """Loss terms (B, a, gamma) of the blocks start..stop-1 (a of them) of h (B, A, gamma, H), prev, slot and
-        targets (B, A, gamma), and their confidence logits (B, a, gamma) or None."""
+        """Loss terms (B, a, S) of the blocks start..stop-1 (a of them) of h (B, A, S, H), prev, slot and
+        targets (B, A, S), and their confidence logits (B, a, S) or None."""
         out = self.head_logits(h[:, start:stop], prev[:, start:stop])
-        B, a, gamma, V = out.q_logits.shape
+        B, a, block_size, V = out.q_logits.shape
         # the host's logits at each slot's input position: a copy per slot, but only of this chunk's slots
-        index = slot[:, start:stop].reshape(B, a * gamma, 1).expand(B, a * gamma, V)
-        p_logits = host_logits.gather(1, index).view(B, a, gamma, V)
+        index = slot[:, start:stop].reshape(B, a * block_size, 1).expand(B, a * block_size, V)
+        p_logits = host_logits.gather(1, index).view(B, a, block_size, V)
         terms = distill_terms(out.q_logits, p_logits, targets[:, start:stop])
         return terms.ce, terms.tv, terms.accept, out.conf_logits
 
     def training_loss(self, batch: TrainBatch) -> TrainOutput:
         """L = ce_weight·L_ce + tv_weight·L_tv + conf_weight·L_conf over randomly anchored blocks."""
-        cfg, gamma = self.config, self.config.gamma
+        cfg, block_size = self.config, self.config.block_size
         anchors, anchor_ok = sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=cfg.max_anchors,
                                             generator=batch.generator, seeds=batch.anchor_seeds)  # (B, A)
         h, prev = self.block_hidden(input_ids=batch.input_ids, features=batch.features,
-                                    document_ids=batch.document_ids, anchors=anchors)  # (B, A, gamma, H)
+                                    document_ids=batch.document_ids, anchors=anchors)  # (B, A, S, H)
         B, A = anchors.shape
         T, V = batch.input_ids.shape[1], batch.host_logits.shape[-1]
-        slot = anchors.unsqueeze(2) + torch.arange(gamma, device=anchors.device)  # (B, A, gamma) input position
+        slot = anchors.unsqueeze(2) + torch.arange(block_size, device=anchors.device)  # (B, A, S) input position
         target = slot + 1  # position of x*_k, predicted from the host's logits at `slot`
         in_range = target < T
         slot, target = slot.clamp(max=T - 1), target.clamp(max=T - 1)
-        same_doc = batch.document_ids.gather(1, target.flatten(1)).view(B, A, gamma) == \
+        same_doc = batch.document_ids.gather(1, target.flatten(1)).view(B, A, block_size) == \
             batch.document_ids.gather(1, anchors).unsqueeze(2)
-        response = batch.loss_mask.gather(1, target.flatten(1)).view(B, A, gamma).bool()
+        response = batch.loss_mask.gather(1, target.flatten(1)).view(B, A, block_size).bool()
         # a block stops at the end of its response / document: later slots are never drafted there
         valid = (in_range & same_doc & response).long().cumprod(2).bool() & anchor_ok.unsqueeze(2)
-        targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, gamma)  # x*_k
-        # why chunks of blocks under checkpointing (losses.py): the (B, A, gamma, V) logits, log q, q, p and q - p of
+        targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, block_size)  # x*_k
+        # why chunks of blocks under checkpointing (losses.py): the (B, A, S, V) logits, log q, q, p and q - p of
         # all blocks at once would be kept for backward (several GB at 2048 tokens x 512 anchors)
         ce_terms, tv_terms, accept, conf_logits = checkpointed_chunks(
             partial(self._block_terms, h, prev, slot, targets, batch.host_logits), A,
-            chunk_rows(B * gamma * V, device=h.device))
+            chunk_rows(B * block_size * V, device=h.device))
 
-        w = position_weights(gamma, decay=cfg.decay, device=anchors.device)
+        w = position_weights(block_size, decay=cfg.decay, device=anchors.device)
         ce, tv = weighted_mean(ce_terms, w, valid), weighted_mean(tv_terms, w, valid)
         loss = cfg.ce_weight * ce + cfg.tv_weight * tv
         parts = {"ce": ce, "tv": tv}
         if cfg.confidence:
             parts["conf"] = weighted_mean(confidence_bce(conf_logits, accept), w, valid)
             loss = loss + cfg.conf_weight * parts["conf"]
-        acceptance = per_position_mean(accept, valid)  # (gamma,)
+        acceptance = per_position_mean(accept, valid)  # (S,)
         parts.update(loss=loss, acceptance=acceptance.mean(), anchors=anchor_ok.sum().float())
         values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one sync for all metrics
         return TrainOutput(loss=loss, metrics=dict(zip(parts, values)), acceptance=acceptance,

@@ -81,7 +81,7 @@ class Eagle3Config(HostFields):
     """EAGLE-3 drafter settings. The layer's shape (H, heads, MLP width, norms, RoPE) is the host's."""
 
     feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(NL)
-    ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to gamma)
+    ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to the block size)
     step_decay: float = 0.8  # weight of unrolled step j is step_decay**j
     draft_vocab: int = 0  # tokens the drafter can propose (EAGLE-3's reduced vocabulary); 0 = the host's whole one
 

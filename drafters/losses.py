@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 LOSS_CHUNK_ELEMENTS = 2**24
 # why larger on a GPU: each chunk is its own small ops forward, in the recompute and in backward (a DSpark chunk
 # about 1600 aten ops in all, nested ones counted: 39185 ops with 22 chunks, 13732 with 6, one row of 2048 tokens x
-# 1024 blocks x gamma 7 x V 49152, an ad-hoc torch.profiler count on the CPU), many a kernel launch on a GPU. A
+# 1024 blocks x block size 7 x V 49152, an ad-hoc torch.profiler count on the CPU), many a kernel launch on a GPU. A
 # DSpark step of the SmolLM2 recipe (4 such rows) makes 86 chunks at 2**24 (about 140k ops), EAGLE-3's 7 unrolled
 # steps 25 chunks each; since the chunking came in, those steps took 0.91-1.06 s on the H100 / H200
 # (benchmarks/h100/steps300_speed, h200/concurrency_smollm2) against 0.18 s unchunked the day before

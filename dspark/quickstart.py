@@ -76,7 +76,7 @@ def training_config(size: Size, *, output: str, **overrides):
 
     cfg = TrainConfig(
         output=output, host="smollm2", drafter="dspark",
-        drafter_args={"num_layers": size.num_layers, "gamma": DRAFT_LENGTH, "max_anchors": size.max_anchors},
+        drafter_args={"num_layers": size.num_layers, "block_size": DRAFT_LENGTH, "max_anchors": size.max_anchors},
         data="sharegpt", data_limit=size.train_conversations, max_length=size.seq_len, seq_len=size.seq_len,
         batch_size=size.batch_size, max_steps=size.max_steps, lr=2e-3, warmup_ratio=0.05,
         save_every=max(10, size.max_steps // 4), eval_every=0, project="dspark-quickstart")

@@ -123,7 +123,7 @@ def trained_length(drafter) -> int | None:
     from drafters import DSparkDrafter, Eagle3Drafter
 
     if isinstance(drafter, DSparkDrafter):
-        return drafter.config.gamma
+        return drafter.config.block_size
     if isinstance(drafter, Eagle3Drafter):
         return drafter.config.ttt_length
     return None

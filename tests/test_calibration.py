@@ -139,7 +139,7 @@ def test_cli_fits_on_some_prompts_and_reports_on_the_others(tmp_path, capsys):
     host = chat_host()
     host.model.save_pretrained(tmp_path / "host")
     host.tokenizer.save_pretrained(tmp_path / "host")
-    build_drafter("dspark", host, gamma=4, num_layers=1).save_pretrained(tmp_path / "drafter")
+    build_drafter("dspark", host, block_size=4, num_layers=1).save_pretrained(tmp_path / "drafter")
     data = write_conversations(tmp_path / "chats.jsonl", 10)
     argv = ["calibrate", "--host", str(tmp_path / "host"), "--device", "cpu", "--drafter-path", str(tmp_path / "drafter"),
             "--data", data, "--split", "all", "--offset", "2", "--limit", "8", "--draft-length", "4", "--max-new-tokens", "12"]

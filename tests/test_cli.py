@@ -167,7 +167,7 @@ def trained(host_dir, tmp_path_factory) -> dict:
         {"from": "human", "value": f"question {i}: why?"}, {"from": "gpt", "value": f"because {i}" * 3}]}) + "\n"
         for i in range(48)))
     cfg = TrainConfig(output=str(root / "run"), host=host_dir, drafter="dspark", data=data, heldout_fraction=FRACTION,
-                      drafter_args=dict(num_layers=1, gamma=4, rank=16, max_anchors=32, num_feature_layers=2),
+                      drafter_args=dict(num_layers=1, block_size=4, rank=16, max_anchors=32, num_feature_layers=2),
                       seq_len=128, max_length=128, batch_size=2, max_steps=1, eval_every=0, bf16=False)
     train(cfg, host=dspark.load_host(host_dir, device="cpu"))
     return {"data": data, "output": str(root / "run")}

@@ -59,7 +59,7 @@ def trained_dspark(host: Host) -> DSparkDrafter:
     partial acceptance and cuts inside an accepted block would go untested.
     """
     torch.manual_seed(0)
-    drafter = DSparkDrafter(host, DSparkConfig(num_layers=2, rank=16, gamma=K, feature_layers=(0, 1, 2)))
+    drafter = DSparkDrafter(host, DSparkConfig(num_layers=2, rank=16, block_size=K, feature_layers=(0, 1, 2)))
     prompts = batch8(host)
     rows = [p + o for p, o in zip(prompts, generate(host, prompts, max_new_tokens=NEW).token_ids)]
     T = max(len(r) for r in rows)
@@ -169,8 +169,8 @@ def build_any(name: str, host: Host, tmp_path, **extra) -> Drafter:
         drafter = build_any("eagle3", host, tmp_path, draft_vocab=host.vocab_size // 2)
         drafter.set_draft_vocab(torch.arange(1, host.vocab_size, 2)[: host.vocab_size // 2])
         return drafter
-    overrides = {"dspark": dict(num_layers=1, rank=16, gamma=K, feature_layers=(0, 1, 2)),
-                 "dflash": dict(num_layers=1, gamma=K, feature_layers=(0, 1, 2)),
+    overrides = {"dspark": dict(num_layers=1, rank=16, block_size=K, feature_layers=(0, 1, 2)),
+                 "dflash": dict(num_layers=1, block_size=K, feature_layers=(0, 1, 2)),
                  "eagle3": dict(ttt_length=K)}.get(name, {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "random weights": intended here
@@ -300,7 +300,7 @@ def micro_dspark(host: Host) -> DSparkDrafter:
     """An untrained DSpark drafter whose q is far from p (sharpened head), so acceptance tests, rejections and
     residual draws all matter."""
     torch.manual_seed(0)
-    drafter = DSparkDrafter(host, DSparkConfig(num_layers=1, rank=8, gamma=MICRO_K))
+    drafter = DSparkDrafter(host, DSparkConfig(num_layers=1, rank=8, block_size=MICRO_K))
     with torch.no_grad():
         drafter.W2.weight.mul_(300.0)
     return drafter

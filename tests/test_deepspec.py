@@ -27,7 +27,7 @@ from dspark.engine.sampling import SamplingConfig
 
 LAYERS, VOCAB, HIDDEN = 6, 128, 64  # host: 6 layers, 4 heads of 16, 2 KV heads
 MASK_ID = VOCAB - 1
-SMALL = dict(num_layers=2, rank=16, gamma=4, feature_layers=(0, 2, 4))
+SMALL = dict(num_layers=2, rank=16, block_size=4, feature_layers=(0, 2, 4))
 VARIANTS = {
     "dspark-markov": lambda host: DSparkDrafter(host, DSparkConfig(head="markov", **SMALL)),
     "dspark-gated": lambda host: DSparkDrafter(host, DSparkConfig(head="gated", **SMALL)),
@@ -200,7 +200,7 @@ def test_export_matches_the_reference_layout(name, qwen3_host, tmp_path):
         rank = 0 if cfg.head == "none" else cfg.rank
         assert (config["num_hidden_layers"], config["block_size"], config["mask_token_id"], config["markov_rank"],
                 config["enable_confidence_head"], config["num_anchors"]) == (
-                    cfg.num_layers, cfg.gamma, MASK_ID, rank, cfg.confidence, cfg.max_anchors)
+                    cfg.num_layers, cfg.block_size, MASK_ID, rank, cfg.confidence, cfg.max_anchors)
         assert config["layer_types"] == ["full_attention"] * cfg.num_layers
         head_type = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}.get(cfg.head)
         assert config.get("markov_head_type") == head_type
@@ -267,8 +267,8 @@ def test_frozen_mask_row_is_the_hosts_embedding_and_stays_lossless(qwen3_host):
 
     drafter = make("dspark-frozen-mask", qwen3_host)
     assert "mask_embedding" not in dict(drafter.named_parameters())
-    block = drafter._block_input(torch.tensor([5, 9]))  # (2, gamma, H)
-    assert torch.equal(block[:, 1:], qwen3_host.embed_tokens.weight[MASK_ID].expand(2, SMALL["gamma"] - 1, HIDDEN))
+    block = drafter._block_input(torch.tensor([5, 9]))  # (2, block_size, H)
+    assert torch.equal(block[:, 1:], qwen3_host.embed_tokens.weight[MASK_ID].expand(2, SMALL["block_size"] - 1, HIDDEN))
     prompts = [[3, 17, 99, 4, 50, 7], [42, 42, 8]]
     speculative = generate(qwen3_host, prompts, drafter=drafter, draft_length=4, max_new_tokens=10)
     assert speculative.token_ids == generate(qwen3_host, prompts, drafter=None, max_new_tokens=10).token_ids
@@ -321,7 +321,7 @@ def test_cli_export_then_generate_with_the_export(tmp_path, capsys):
 
     host = load_host("random:tiny-qwen3", device="cpu")
     torch.manual_seed(0)
-    drafter = randomized(DSparkDrafter(host, DSparkConfig(head="markov", num_layers=2, rank=16, gamma=4,
+    drafter = randomized(DSparkDrafter(host, DSparkConfig(head="markov", num_layers=2, rank=16, block_size=4,
                                                           feature_layers=(0, 1, 2))))
     drafter.save_pretrained(tmp_path / "ours")
     calibration = STSCalibrator(temperatures=[1.5, 2.0, 0.5, 1.0], fit_size=[40, 30, 20, 10])

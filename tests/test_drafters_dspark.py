@@ -24,7 +24,7 @@ from dspark.engine.host import Host
 from dspark.engine.protocol import DraftState
 from dspark.engine.sampling import SamplingConfig, process
 
-SMALL = dict(num_layers=2, rank=16, gamma=4, feature_layers=(0, 1, 2))
+SMALL = dict(num_layers=2, rank=16, block_size=4, feature_layers=(0, 1, 2))
 VARIANTS = {
     "dspark-markov": lambda host: DSparkDrafter(host, DSparkConfig(head="markov", **SMALL)),
     "dspark-gated": lambda host: DSparkDrafter(host, DSparkConfig(head="gated", **SMALL)),
@@ -115,10 +115,10 @@ def test_greedy_equals_reference_before_and_after_training(name, tiny_host, prom
         assert batched.token_ids == greedy_reference, f"{name} trained={trained}, batch 4"
 
 
-@pytest.mark.parametrize("gamma,K", [(2, 2), (7, 7), (7, 2)])
-def test_backbone_runs_once_per_round(gamma, K, tiny_host, prompts, greedy_reference):
+@pytest.mark.parametrize("block_size,K", [(2, 2), (7, 7), (7, 2)])
+def test_backbone_runs_once_per_round(block_size, K, tiny_host, prompts, greedy_reference):
     torch.manual_seed(0)
-    drafter = DSparkDrafter(tiny_host, DSparkConfig(num_layers=2, rank=16, gamma=gamma, head="rnn"))
+    drafter = DSparkDrafter(tiny_host, DSparkConfig(num_layers=2, rank=16, block_size=block_size, head="rnn"))
     calls = []
     drafter.backbone.register_forward_hook(lambda *args: calls.append(1))
     result = generate(tiny_host, prompts[:2], drafter=drafter, draft_length=K, max_new_tokens=NEW_TOKENS)
@@ -177,18 +177,20 @@ def test_block_in_the_cache_equals_the_concatenated_context(tiny_host, prompts):
     torch.manual_seed(0)
     drafter = DSparkDrafter(tiny_host, DSparkConfig(head="markov", **SMALL))
     state = primed(drafter, tiny_host, prompts[:3], anchors=[5, 6, 7])
-    cache, gamma = drafter.cache, drafter.config.gamma
-    assert cache.max_len % 64 == 0 and int(cache.lengths.max()) + gamma <= cache.max_len
+    cache, block_size = drafter.cache, drafter.config.block_size
+    assert cache.max_len % 64 == 0 and int(cache.lengths.max()) + block_size <= cache.max_len
     x = drafter._block_input(state.anchor)
-    positions = cache.lengths.unsqueeze(1) + torch.arange(gamma)
+    positions = cache.lengths.unsqueeze(1) + torch.arange(block_size)
     cos, sin = drafter.shared.rotary(x, positions)
     with torch.no_grad():
         want = drafter.backbone(x, cos=cos, sin=sin, context=cached_context(cache),
-                                mask=inference_mask(cache.lengths, width=cache.max_len, block=gamma, dtype=x.dtype))
+                                mask=inference_mask(cache.lengths, width=cache.max_len, block=block_size,
+                                                    dtype=x.dtype))
         before = [(cache.k[:, b, :, :n].clone(), cache.v[:, b, :, :n].clone())
                   for b, n in enumerate(cache.lengths.tolist())]
         got = drafter.backbone(x, cos=cos, sin=sin, context=None, cache=(cache, positions),
-                               mask=cached_block_mask(cache.lengths, width=cache.max_len, block=gamma, dtype=x.dtype))
+                               mask=cached_block_mask(cache.lengths, width=cache.max_len, block=block_size,
+                                                      dtype=x.dtype))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for b, n in enumerate(cache.lengths.tolist()):
         assert torch.equal(cache.k[:, b, :, :n], before[b][0]) and torch.equal(cache.v[:, b, :, :n], before[b][1])
@@ -210,7 +212,7 @@ def test_proposals_are_distributions(name, tiny_host, prompts):
     again = drafter.propose(state, 4)  # deterministic: same state, same draws
     assert torch.equal(again.tokens, proposal.tokens) and torch.equal(again.q, proposal.q)
     if name != "mtp":  # MTP drafts one token whatever K is
-        with pytest.raises(ValueError, match="exceeds the drafter's trained block size gamma=4"):
+        with pytest.raises(ValueError, match="exceeds the drafter's trained block_size=4"):
             drafter.propose(state, 5)
 
 
@@ -226,7 +228,7 @@ def test_training_loss_decreases_and_reaches_every_parameter(name, tiny_host):
     assert tiny_host.embed_tokens.weight.grad is None and tiny_host.lm_head.weight.grad is None
     assert not any(p is tiny_host.lm_head.weight or p is tiny_host.embed_tokens.weight
                    for p in drafter.parameters())
-    assert out.acceptance.shape == (1 if name == "mtp" else SMALL["gamma"],)
+    assert out.acceptance.shape == (1 if name == "mtp" else SMALL["block_size"],)
     assert bool(((out.acceptance >= 0) & (out.acceptance <= 1)).all())
     expected = {"ce", "tv", "loss", "acceptance"} | ({"conf"} if name.startswith("dspark") else set())
     assert expected <= set(out.metrics)
@@ -263,8 +265,8 @@ def test_sparse_training_attention_equals_the_dense_mask(head, tiny_host):
 
     document_ids = train_batch(tiny_host, DSparkDrafter(tiny_host, DSparkConfig(**SMALL))).document_ids
     anchors = torch.tensor([[0, 5, 9, 20, 30], [2, 13, 14, 15, 29]])
-    dense = block_training_mask(anchors, gamma=4, document_ids=document_ids, dtype=torch.float32)
-    sparse = block_training_mask(anchors, gamma=4, document_ids=document_ids, dtype=torch.float32, sparse=True)
+    dense = block_training_mask(anchors, block_size=4, document_ids=document_ids, dtype=torch.float32)
+    sparse = block_training_mask(anchors, block_size=4, document_ids=document_ids, dtype=torch.float32, sparse=True)
     kept = sparse.to_dense().bool()  # (B, 1, query tiles, key tiles)
     tile_q, tile_k = sparse.BLOCK_SIZE
     for b in range(2):
@@ -443,6 +445,21 @@ def test_checkpoint_write_is_atomic(saved_dspark, tiny_host, tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging debris
 
 
+def test_legacy_gamma_key_loads_as_block_size(saved_dspark, tiny_host, tmp_path):
+    """Checkpoints and drafter_args written when the block size was called "gamma" still load."""
+    import shutil
+
+    path = tmp_path / "legacy"
+    shutil.copytree(saved_dspark, path)
+    config = json.loads((path / "config.json").read_text())
+    config["config"]["gamma"] = config["config"].pop("block_size")
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_drafter(path, tiny_host).config.block_size == SMALL["block_size"]
+    assert build_drafter("dspark", tiny_host, checkpoint=path, gamma=SMALL["block_size"]).config.block_size == 4
+    with pytest.warns(UserWarning, match="random weights"):
+        assert build_drafter("dflash", tiny_host, num_layers=1, gamma=3).config.block_size == 3
+
+
 # ---- registry --------------------------------------------------------------------------------------------------
 
 def test_build_drafter_names(tiny_host, saved_dspark):
@@ -468,7 +485,7 @@ def test_sampling_is_lossless(name, micro_host):
     """Empirical joint of the first three generated tokens (the 2nd and 3rd decided through drafts) against the
     exact host distribution; all seeds in one batched generate call."""
     torch.manual_seed(0)
-    drafter = (DSparkDrafter(micro_host, DSparkConfig(num_layers=1, rank=8, gamma=3)) if name != "mtp"
+    drafter = (DSparkDrafter(micro_host, DSparkConfig(num_layers=1, rank=8, block_size=3)) if name != "mtp"
                else MTPDrafter(micro_host))
     if name != "mtp":
         with torch.no_grad():  # why: a peaked head bias makes q far from p, so a mishandled q would show

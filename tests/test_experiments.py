@@ -338,7 +338,7 @@ def test_length_skips_gammas_past_the_trained_block_and_reports_the_margin(tmp_p
     host = load_host(HOST)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        resolve_drafter(host, "dspark", gamma=2).save_pretrained(tmp_path / "dspark2")
+        resolve_drafter(host, "dspark", block_size=2).save_pretrained(tmp_path / "dspark2")
     run("experiment", "length", *SMALL, "--drafters", "dspark", "dflash", "--draft-lengths", "2", "3",
         "--drafter-paths", f"dspark={tmp_path / 'dspark2'}", "--concurrency", "4", "--out-dir", str(tmp_path / "out"))
     doc = load(tmp_path / "out" / "length.json")

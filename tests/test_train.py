@@ -26,8 +26,8 @@ from dspark.training.train import TrainConfig, checkpoints, main_train, read_met
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_HOST = "random:tiny-llama?initializer_range=0.2"  # why 0.2: peaked host distributions, something to learn
 SMALL = {  # per-drafter overrides that keep a step around 0.1 s on the CPU
-    "dspark": dict(num_layers=1, gamma=4, rank=16, max_anchors=32, num_feature_layers=2),
-    "dflash": dict(num_layers=1, gamma=4, max_anchors=32, num_feature_layers=2),
+    "dspark": dict(num_layers=1, block_size=4, rank=16, max_anchors=32, num_feature_layers=2),
+    "dflash": dict(num_layers=1, block_size=4, max_anchors=32, num_feature_layers=2),
     "mtp": dict(),
     "eagle3": dict(ttt_length=3),
 }
@@ -148,7 +148,7 @@ def test_init_layers_from_host_copies_the_last_layers(kind, caplog):
     from dspark.engine.host import Host
 
     host = Host(tiny_model(kind, layers=4), name=kind)
-    drafter = build_drafter("dspark", host, num_layers=2, gamma=4, rank=16, max_anchors=8, num_feature_layers=2)
+    drafter = build_drafter("dspark", host, num_layers=2, block_size=4, rank=16, max_anchors=8, num_feature_layers=2)
     with caplog.at_level("INFO", logger=train_module.logger.name):
         train_module.init_layers_from_host(drafter, host)
     for mine, theirs in zip(drafter.backbone.layers, host.layers[2:]):
@@ -419,7 +419,7 @@ def test_default_run_on_cpu_tokenises_only_what_it_trains_on_at_cpu_sizes(tmp_pa
     real = data_module.tokenize_chat
     monkeypatch.setattr(data_module, "tokenize_chat", lambda *a, **k: tokenised.append(1) or real(*a, **k))
     cfg = TrainConfig(output=str(tmp_path / "run"), host="tiny-chat", drafter="dspark",
-                      drafter_args=dict(num_layers=1, gamma=4, rank=16, num_feature_layers=2), data=data,
+                      drafter_args=dict(num_layers=1, block_size=4, rank=16, num_feature_layers=2), data=data,
                       max_steps=2, eval_every=0)
     path = train(cfg, host=chat_host())
     n_tokenised = len(tokenised)

@@ -89,24 +89,24 @@ def eagle3_plain_loss(drafter: Eagle3Drafter, batch: TrainBatch):
 
 
 def dspark_plain_loss(drafter: DSparkDrafter, batch: TrainBatch):
-    cfg, gamma = drafter.config, drafter.config.gamma
+    cfg, block_size = drafter.config, drafter.config.block_size
     anchors, anchor_ok = sample_anchors(batch.loss_mask, batch.document_ids, max_anchors=cfg.max_anchors,
                                         generator=batch.generator)
     out = drafter.block_logits(input_ids=batch.input_ids, features=batch.features, document_ids=batch.document_ids,
                                anchors=anchors)
     A = anchors.shape[1]
-    slot = anchors.unsqueeze(2) + torch.arange(gamma)
+    slot = anchors.unsqueeze(2) + torch.arange(block_size)
     target = slot + 1
     in_range = target < T
     slot, target = slot.clamp(max=T - 1), target.clamp(max=T - 1)
-    same_doc = batch.document_ids.gather(1, target.flatten(1)).view(B, A, gamma) == \
+    same_doc = batch.document_ids.gather(1, target.flatten(1)).view(B, A, block_size) == \
         batch.document_ids.gather(1, anchors).unsqueeze(2)
-    response = batch.loss_mask.gather(1, target.flatten(1)).view(B, A, gamma).bool()
+    response = batch.loss_mask.gather(1, target.flatten(1)).view(B, A, block_size).bool()
     valid = (in_range & same_doc & response).long().cumprod(2).bool() & anchor_ok.unsqueeze(2)
-    targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, gamma)
-    p_logits = batch.host_logits.gather(1, slot.flatten(1).unsqueeze(2).expand(B, A * gamma, V))
-    terms = distill_terms(out.q_logits, p_logits.view(B, A, gamma, V), targets)
-    w = position_weights(gamma, decay=cfg.decay)
+    targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, block_size)
+    p_logits = batch.host_logits.gather(1, slot.flatten(1).unsqueeze(2).expand(B, A * block_size, V))
+    terms = distill_terms(out.q_logits, p_logits.view(B, A, block_size, V), targets)
+    w = position_weights(block_size, decay=cfg.decay)
     loss = cfg.ce_weight * weighted_mean(terms.ce, w, valid) + cfg.tv_weight * weighted_mean(terms.tv, w, valid)
     if cfg.confidence:
         loss = loss + cfg.conf_weight * weighted_mean(confidence_bce(out.conf_logits, terms.accept), w, valid)
@@ -115,10 +115,10 @@ def dspark_plain_loss(drafter: DSparkDrafter, batch: TrainBatch):
 
 DRAFTERS = {
     "eagle3": (lambda host: Eagle3Drafter(host, Eagle3Config(ttt_length=4)), eagle3_plain_loss),
-    "dspark-rnn": (lambda host: DSparkDrafter(host, DSparkConfig(num_layers=1, gamma=4, rank=16, head="rnn",
+    "dspark-rnn": (lambda host: DSparkDrafter(host, DSparkConfig(num_layers=1, block_size=4, rank=16, head="rnn",
                                                                  feature_layers=(0, 2), max_anchors=24)),
                    dspark_plain_loss),
-    "dflash": (lambda host: DSparkDrafter(host, dflash_config(num_layers=1, gamma=4, feature_layers=(0, 2),
+    "dflash": (lambda host: DSparkDrafter(host, dflash_config(num_layers=1, block_size=4, feature_layers=(0, 2),
                                                               max_anchors=24)), dspark_plain_loss),
 }
 
@@ -173,7 +173,7 @@ def test_loss_chunks_are_larger_on_a_gpu_within_its_memory(monkeypatch):
                             lambda device, t=total: SimpleNamespace(total_memory=t))
         assert losses.loss_chunk_elements("cuda:0") == expected
     assert losses.loss_chunk_elements("cpu") == losses.loss_chunk_elements(None) == losses.LOSS_CHUNK_ELEMENTS
-    row = 4 * 7 * 49152  # the SmolLM2 recipe's DSpark blocks: 4 rows x gamma 7 x V
+    row = 4 * 7 * 49152  # the SmolLM2 recipe's DSpark blocks: 4 rows x block_size 7 x V
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
     assert -(-1024 // losses.chunk_rows(row, device="cuda")) == 6  # chunks of 1024 blocks (86 at the CPU's budget)
     assert -(-1024 // losses.chunk_rows(row)) == 86

@@ -85,7 +85,7 @@ class TrainConfig:
         "help": "host model: smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, random:<shape>, a path or hub id"})
     drafter: Literal["dspark", "dflash", "eagle3", "mtp"] = field(default="dspark", metadata={"help": "drafter kind"})
     drafter_args: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "drafter overrides passed to build_drafter, e.g. --drafter-args num_layers=3 gamma=7 head=rnn"})
+        "help": "drafter overrides passed to build_drafter, e.g. --drafter-args num_layers=3 block_size=7 head=rnn"})
     data: str = field(default="sharegpt", metadata={
         "help": "conversations: sharegpt, humaneval, a .jsonl[.gz] file, a saved datasets dir; or synthetic[:N] "
                 "(random-token documents, ONLY for tests and cost runs on random hosts without a tokenizer)"})
@@ -177,15 +177,15 @@ def step_memory(cfg: TrainConfig, host: Host, drafter, *, element_size: int, spa
     optimizer state are already allocated when it is taken). B rows of T tokens, V vocabulary, N attention heads:
     the host's logits (B, T, V) float32 for the whole step and one host layer's attention scores (B, N, T, T); one
     chunk of the vocabulary-sized loss (drafters/losses.py); DSpark / DFlash with the dense block mask: each backbone
-    layer's attention probabilities over A*gamma block queries x (T + A*gamma) keys, kept for backward; EAGLE-3: each
-    unrolled step's (B, N, T, T + j) scores and probabilities."""
+    layer's attention probabilities over A*S block queries x (T + A*S) keys (S = block_size), kept for backward;
+    EAGLE-3: each unrolled step's (B, N, T, T + j) scores and probabilities."""
     from drafters.losses import loss_chunk_elements
 
     B, T, N, V = cfg.batch_size, cfg.seq_len, host.num_heads, host.vocab_size
     total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(loss_chunk_elements(device), B * T * V) * 4
     config = getattr(drafter, "config", None)
     if drafter.kind == "dspark" and not sparse:
-        slots = min(config.max_anchors, T) * config.gamma
+        slots = min(config.max_anchors, T) * config.block_size
         total += (config.num_layers + 1) * B * N * slots * (T + slots) * element_size
     elif drafter.kind == "eagle3":
         total += sum(2 * B * N * T * (T + j) * element_size for j in range(config.ttt_length))
