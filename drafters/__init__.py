@@ -1,7 +1,7 @@
 """Drafters: choose one by name with `build_drafter(name, host, ...)`, or load a trained one with
 `load_drafter(path, host)` (config.json's "kind" picks the class).
 
-Names: ngram (prompt lookup, model-free), dspark (DSPARK.md §2.3), dflash (DSpark with heads off, §2.2),
+Names: ngram (prompt lookup, model-free), dspark (docs/DSPARK.md §2.3), dflash (DSpark with heads off, §2.2),
 mtp (MTP-1), and the other helpers' eagle3 and small-lm (registered below).
 """
 from __future__ import annotations

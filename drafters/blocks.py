@@ -3,7 +3,7 @@
 Shapes: B requests, S block (query) slots, C context positions, T tokens of a training sequence, A anchors per
 sequence, H hidden size (the host's), Hq query heads, Hkv key/value heads, D head dim, W cached positions.
 
-KV injection (DSPARK.md §2.2): queries come from the block only; keys/values are [K(H_ctx); K(H_block)] along the
+KV injection (docs/DSPARK.md §2.2): queries come from the block only; keys/values are [K(H_ctx); K(H_block)] along the
 sequence axis. Which keys a query may see is entirely the caller's additive mask, so one layer serves
   - DSpark/DFlash inference: the context K/V of every layer live in a preallocated `KVCache` written by position
     (rollback = moving a length, rows selectable); the block attends bidirectionally to itself and to context

@@ -1,4 +1,4 @@
-"""DSpark drafter (DSPARK.md §2.1-2.3, §3): a parallel KV-injection backbone plus a light sequential head.
+"""DSpark drafter (docs/DSPARK.md §2.1-2.3, §3): a parallel KV-injection backbone plus a light sequential head.
 DFlash is the same drafter with the head and the confidence off: `dflash_config()`.
 
 Shapes: B requests, K draft positions this round (K <= S), S = block_size slots per block (the trained block size),
@@ -47,7 +47,7 @@ HEADS = ("markov", "gated", "rnn", "none")
 
 
 def spread_layers(num_layers: int, m: int) -> tuple[int, ...]:
-    """m host layers spread evenly from layer 1 to the third-from-last (DSPARK.md §2.1: [1, 9, 17, 25, 33] of 36);
+    """m host layers spread evenly from layer 1 to the third-from-last (docs/DSPARK.md §2.1: [1, 9, 17, 25, 33] of 36);
     fewer, distinct ones on hosts too shallow for m."""
     first = min(1, num_layers - 1)
     last = max(num_layers - 3, first)
@@ -95,7 +95,7 @@ def variant_name(head: str) -> str:
 
 
 def dflash_config(**overrides) -> DSparkConfig:
-    """DFlash (DSPARK.md §2.2): the DSpark drafter with no sequential head, no confidence, and L = L_ce."""
+    """DFlash (docs/DSPARK.md §2.2): the DSpark drafter with no sequential head, no confidence, and L = L_ce."""
     return DSparkConfig(**{"head": "none", "confidence": False, "ce_weight": 1.0, "tv_weight": 0.0,
                            "conf_weight": 0.0, **overrides})
 
@@ -159,7 +159,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    # ---- the sequential head (DSPARK.md §2.3) -------------------------------------------------------------------
+    # ---- the sequential head (docs/DSPARK.md §2.3) --------------------------------------------------------------
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None,
                   conf_hidden: torch.Tensor | None = None) -> HeadStep:
@@ -266,7 +266,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)
 
-    # ---- training (DSPARK.md §3) -----------------------------------------------------------------------------
+    # ---- training (docs/DSPARK.md §3) ------------------------------------------------------------------------
 
     def block_hidden(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
                      anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter (DSPARK.md §2.4): one decoder layer over fused host features, drafting autoregressively.
+"""EAGLE-3 drafter (docs/DSPARK.md §2.4): one decoder layer over fused host features, drafting autoregressively.
 
 Shapes: B requests, T tokens, K draft positions, V vocabulary, H hidden size (the host's), F = m*H concatenated
 host features of m layers, N attention heads, Nkv key/value heads, D head dim, W draft-cache positions,
@@ -81,7 +81,7 @@ class Eagle3Config(HostFields):
     """EAGLE-3 drafter settings. The layer's shape (H, heads, MLP width, norms, RoPE) is the host's."""
 
     feature_layers: tuple[int, ...] | None = None  # host layers fused as context; None = eagle3_feature_layers(NL)
-    ttt_length: int = 7  # training-time-test unroll S (DSPARK.md: equal to the block size)
+    ttt_length: int = 7  # training-time-test unroll S (docs/DSPARK.md: equal to the block size)
     step_decay: float = 0.8  # weight of unrolled step j is step_decay**j
     draft_vocab: int = 0  # tokens the drafter can propose (EAGLE-3's reduced vocabulary); 0 = the host's whole one
 

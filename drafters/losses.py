@@ -1,4 +1,4 @@
-"""Distillation losses shared by the trainable drafters (DSPARK.md §3).
+"""Distillation losses shared by the trainable drafters (docs/DSPARK.md §3).
 
 Shapes: ... any leading dims (sequences, anchors), K draft positions, V vocabulary.
 Notation: p = host distribution (temperature 1), q = draft distribution, x* = the true next token,

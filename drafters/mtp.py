@@ -1,4 +1,4 @@
-"""MTP-1 drafter (DSPARK.md §2.5): a DeepSeek-V3-style multi-token-prediction module drafting one token per round.
+"""MTP-1 drafter (docs/DSPARK.md §2.5): a DeepSeek-V3-style multi-token-prediction module drafting one token per round.
 
 Shapes: B requests, T tokens, K draft positions requested, V vocabulary, H hidden size (the host's), F = m*H
 concatenated host features (default m = 1: the host's last layer), W cached positions.

@@ -1,4 +1,4 @@
-"""Independent small-LM drafter (DSPARK.md §2.5): any causal LM sharing the host's tokenizer drafts K tokens
+"""Independent small-LM drafter (docs/DSPARK.md §2.5): any causal LM sharing the host's tokenizer drafts K tokens
 autoregressively from the committed tokens alone (no host features).
 
 Shapes: B requests, T tokens in a step, K draft positions, V vocabulary (the host's, which the small LM must share),

@@ -1,4 +1,4 @@
-"""DSPARK.md §5's metric vocabulary, every number computed from one rollout log (`GenerationResult`).
+"""docs/DSPARK.md §5's metric vocabulary, every number computed from one rollout log (`GenerationResult`).
 
 Shapes: N request-rounds (rows of the RoundLog), K draft positions.
 

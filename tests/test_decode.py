@@ -281,7 +281,7 @@ class RandomLength(Verifier):
 
 class WhileEven(Verifier):
     """Verifies x_1, then x_{k+1} while x_1..x_k are all even: draft-dependent but non-anticipating (whether x_k
-    is verified depends only on x_<k), so still lossless (DSPARK.md §4.3)."""
+    is verified depends only on x_<k), so still lossless (docs/DSPARK.md §4.3)."""
 
     name = "while-even"
 

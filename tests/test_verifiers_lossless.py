@@ -1,5 +1,5 @@
 """Every verification policy inside the decode loop: greedy output is exact under all of them, and at T = 1 the
-non-anticipating ones are lossless while the global search is not (DSPARK.md §4.3).
+non-anticipating ones are lossless while the global search is not (docs/DSPARK.md §4.3).
 
 The counterexample: a host whose next-token distribution is p = (0.7, 0.3) at every position, and a hand-made
 drafter with q = (0.5, 0.5) whose confidence in x_{k+1} is high after x_k = 0 and low after x_k = 1 (a function of

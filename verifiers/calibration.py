@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (STS, DSPARK.md §4.2) of draft confidences, and the calibration metrics.
+"""Sequential Temperature Scaling (STS, docs/DSPARK.md §4.2) of draft confidences, and the calibration metrics.
 
 Shapes: N rounds of a held-out rollout log, K draft positions, G temperatures of the search grid.
 

@@ -1,6 +1,6 @@
-"""SPS(M): host verify steps per second at M tokens per forward, profiled once per host and device (DSPARK.md §4.3).
+"""SPS(M): host verify steps/s at M tokens per forward, profiled once per host and device (docs/DSPARK.md §4.3).
 
-Shapes: R requests, T tokens per request in one forward, M = total tokens in the forward (DSPARK.md's B; in this
+Shapes: R requests, T tokens per request in one forward, M = total tokens in the forward (docs/DSPARK.md's B; in this
 code B is always requests), R * T both when
 profiling and when scheduling: the decode loop verifies on a rectangular (R, L + 1) batch, L = max_r ell_r, so a
 round costs `verify_tokens` = R·(L + 1) tokens however the drafts are split between requests.

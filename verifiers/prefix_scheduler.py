@@ -1,16 +1,16 @@
-"""Hardware-aware prefix scheduling (DSPARK.md §4.3, Algorithm 1) and its lagged-capacity production variant,
+"""Hardware-aware prefix scheduling (docs/DSPARK.md §4.3, Algorithm 1) and its lagged-capacity production variant,
 priced by the verify forward the decode loop actually runs.
 
 Shapes: R requests in the batch, K draft positions.
 
 Notation: c_{r,j} confidence, a_{r,j} = Π_{i<=j} c_{r,i} survival, ell_r verified drafts of request r,
 τ* = Σ_r (1 + Σ_{j<=ell_r} a_{r,j}) expected committed tokens, SPS(M) host verify steps per second at M tokens
-per forward (DSPARK.md's B; in this code B is always requests), t(R, T) = seconds of a forward of R rows of T tokens,
+per forward (docs/DSPARK.md's B; in this code B is always requests), t(R, T) = seconds of a forward, R rows of T tokens,
 Θ = τ*·SPS = τ* / t expected throughput.
 
 What a forward costs: `dspark.engine.decode` runs the verify step on a rectangular (R, L + 1) batch with L = max_r ell_r
 (every row padded to the longest; the host step has no packed/ragged form), so a round costs
-M = R·(L + 1) tokens (`verify_tokens`), not the Σ_r (1 + ell_r) of a packed forward that DSPARK.md's Algorithm 1
+M = R·(L + 1) tokens (`verify_tokens`), not the Σ_r (1 + ell_r) of a packed forward that docs/DSPARK.md's Algorithm 1
 assumes. Given the width L, positions j <= L of every row are computed anyway, so verifying them is free and only
 adds expected tokens: the best lengths at width L are ell_r = min(L, limit_r). The scheduler therefore chooses
 the width: Θ(L) = (R + Σ_r Σ_{j<=min(L, limit_r)} a_{r,j}) / t(R, L + 1) for L = 0..K, one cumsum over depths,
@@ -307,7 +307,7 @@ class GlobalSearchScheduler(PrefixScheduler):
     """UNSAFE, NOT LOSSLESS: scans every width and takes the best.
 
     The choice looks at survivals of deeper positions, which depend on earlier sampled drafts, so whether a draft
-    is verified depends on the drafts after it and the output distribution is biased (DSPARK.md §4.3: a target
+    is verified depends on the drafts after it and the output distribution is biased (docs/DSPARK.md §4.3: a target
     (0.7, 0.3) becomes (0.85, 0.15)). Kept only to demonstrate that bias in the losslessness tests.
     """
 
@@ -326,7 +326,7 @@ class LaggedCapacityScheduler(_Gated):
     the requests still in the batch (allowed: those drafts are already verified, so the search cannot look at the
     drafts it decides about, and it may cross jagged SPS cliffs). The current round then verifies
     ell_r = min(L_cap, limit_r): the forward is R·(L_cap + 1) tokens wide whatever the current confidences say,
-    and positions inside it cost nothing more (DSPARK.md's "top-capacity current candidates" is the packed-forward
+    and positions inside it cost nothing more (docs/DSPARK.md's "top-capacity current candidates" is the packed-forward
     form of the same rule). Nothing of the current round decides its lengths, so the policy is lossless. The first
     two rounds of a batch have no such history and fall back to early stop on the current round (also lossless).
     """

@@ -1,4 +1,4 @@
-"""Static confidence threshold (DSPARK.md §4.1): the diagnostic baseline of confidence-scheduled verification.
+"""Static confidence threshold (docs/DSPARK.md §4.1): the diagnostic baseline of confidence-scheduled verification.
 
 Shapes: B requests, K draft positions. c_k confidence, a_k = Π_{i<=k} c_i survival, tau the threshold.
 """

@@ -2,7 +2,7 @@
 
 Shapes: B requests in the batch, K draft positions, V vocabulary, F concatenated host features, Tmax positions.
 
-One round (DSPARK.md §1): 1 draft, 2 schedule, 3 verify, 4 accept, 5 commit. Differences between methods live in
+One round (docs/DSPARK.md §1): 1 draft, 2 schedule, 3 verify, 4 accept, 5 commit. Differences between methods live in
 drafters and verifiers, never here. Plain decoding is the same loop with a drafter that proposes nothing (K = 0):
 each round verifies only the anchor and draws the next token from p.
 

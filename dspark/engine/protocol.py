@@ -2,11 +2,11 @@
 and what a verifier decides. Plain decoding (`NoDrafter`) and verify-all (`VerifyAll`) are its trivial members.
 
 Shapes: B requests, K draft positions, V vocabulary, T tokens, F = m*H concatenated host features.
-Notation (DSPARK.md): p = host distribution, q = draft distribution, c = confidence.
+Notation (docs/DSPARK.md): p = host distribution, q = draft distribution, c = confidence.
 
 A verifier may only look at what is known before the host verifies (confidences, the number of requests, its own
 history). Lengths must not depend on tokens they are deciding about beyond what a non-anticipating rule allows
-(DSPARK.md §4.3); `tests/test_verifiers_lossless.py` checks every registered policy at T = 1.
+(docs/DSPARK.md §4.3); `tests/test_verifiers_lossless.py` checks every registered policy at T = 1.
 """
 from __future__ import annotations
 

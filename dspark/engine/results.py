@@ -1,5 +1,5 @@
 """What a decode returns, from the eager loop (`decode.py`) and the slot engine (`run.py`) alike: the new tokens of
-every request and one log row per (request, round), from which every metric of DSPARK.md §5 is computed."""
+every request and one log row per (request, round), from which every metric of docs/DSPARK.md §5 is computed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +9,7 @@ import torch
 
 @dataclass
 class RoundLog:
-    """One row per (request, round): everything DSPARK.md §5's metrics need. Tensors are on the CPU."""
+    """One row per (request, round): everything docs/DSPARK.md §5's metrics need. Tensors are on the CPU."""
 
     request: list[torch.Tensor] = field(default_factory=list)  # (B,) request index in the prompt list
     round: list[torch.Tensor] = field(default_factory=list)  # (B,) the request's round number

@@ -1,4 +1,4 @@
-"""Self-distillation data (DSPARK.md §3): the host answers the prompts of a chat dataset itself.
+"""Self-distillation data (docs/DSPARK.md §3): the host answers the prompts of a chat dataset itself.
 
 Each conversation's prompt (its system turns and first user turn, `dspark.training.data.prompts`) is rendered with the
 host's chat template and decoded by `dspark.engine.decode.generate` in batches. Every batch is appended to the output

@@ -1,4 +1,4 @@
-"""One training loop for every trainable drafter (DSPARK.md §3): the host is frozen and runs online in the step.
+"""One training loop for every trainable drafter (docs/DSPARK.md §3): the host is frozen and runs online in the step.
 
 Shapes: B sequences per micro-batch, T tokens, V vocabulary, F concatenated host features, K draft positions.
 
