@@ -41,7 +41,12 @@ def test_readme_usage_runs(tmp_path):
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
         outputs[argv[1]] = outputs.get(argv[1], []) + [done.stdout]
     metrics = json.loads(outputs["eval"][0])
-    assert metrics["drafter"] == "dspark" and metrics["tau"] >= 1.0 and len(metrics["conditional_acceptance"]) == 7
+    assert metrics["drafter"] == "dspark" and len(metrics["conditional_acceptance"]) == 7
+    # tau is one bonus token plus the accepted drafts of a round, and its interval brackets it
+    assert metrics["tau"] == pytest.approx(1.0 + metrics["accepted_per_round"], abs=1e-6)
+    lo, hi = metrics["tau_ci95"]
+    assert lo <= metrics["tau"] <= hi
+    assert metrics["tau"] == pytest.approx(sum(metrics["per_request_tau_sum"]) / sum(metrics["per_request_rounds"]))
     generated = json.loads(outputs["generate"][0])
     assert generated["outputs"][0]["token_ids"] and {"tau", "rounds", "tokens_per_s"} <= set(generated["stats"])
     for name in ("sweep", "sweep-scheduler"):
