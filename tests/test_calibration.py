@@ -66,9 +66,9 @@ def test_save_load_and_position_errors(tmp_path):
         cal.apply(torch.rand(2, 5))
 
 
-def test_a_fit_at_gamma_serves_every_shorter_draft_length(tmp_path):
+def test_a_fit_at_one_draft_length_serves_every_shorter_one(tmp_path):
     """STS fits position by position, so the first g temperatures of a fit at K are the fit at g, and loading
-    or applying it at any g <= K works (the sweep's gammas 1, 3, 5 with a calibration fitted at 7)."""
+    or applying it at any g <= K works (a sweep's draft lengths 1, 3, 5 with a calibration fitted at 7)."""
     c, accepted, reached = synthetic_log(N=1500)
     full = STSCalibrator.fit(c, accepted, reached)
     path = tmp_path / "sts.json"

@@ -1,7 +1,7 @@
 """Soak and determinism of the decode loop on the tiny host (CPU, fp32).
 
 Fuzz: a few hundred random requests (prompt lengths, per-request max_new_tokens <= 12, stop tokens, batch sizes,
-gamma) over every drafter (untrained ngram / dspark / dflash / eagle3 / mtp) x every policy (full / threshold /
+draft lengths) over every drafter (untrained ngram / dspark / dflash / eagle3 / mtp) x every policy (full / threshold /
 scheduler / lagged), grouped in batches; greedy output must equal plain decoding token for token (finish
 reasons too), and sampled runs must finish without exception within their limits. Then one long batch with mixed
 stop conditions, and the determinism guarantees of docs/RELIABILITY.md (same seed, same output; batch invariance;
@@ -61,7 +61,7 @@ def random_verifier(name: str, g: torch.Generator):
     return build_verifier(name)
 
 
-def random_batch(g: torch.Generator, vocab: int, max_gamma: int = 7) -> dict:
+def random_batch(g: torch.Generator, vocab: int, max_draft_length: int = 7) -> dict:
     n = int(torch.randint(1, 9, (1,), generator=g))
     lengths = torch.randint(1, 25, (n,), generator=g).tolist()
     stops = torch.randint(0, vocab, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
@@ -69,7 +69,7 @@ def random_batch(g: torch.Generator, vocab: int, max_gamma: int = 7) -> dict:
                                        repeat=bool(torch.rand(1, generator=g) < 0.7)),
                 max_new_tokens=torch.randint(1, 13, (n,), generator=g).tolist(), stop_token_ids=stops,
                 batch_size=int(torch.randint(1, n + 1, (1,), generator=g)),
-                draft_length=int(torch.randint(1, max_gamma + 1, (1,), generator=g)))
+                draft_length=int(torch.randint(1, max_draft_length + 1, (1,), generator=g)))
 
 
 def test_fuzz_greedy_equals_plain_decoding(tiny_host, drafters):
@@ -79,11 +79,11 @@ def test_fuzz_greedy_equals_plain_decoding(tiny_host, drafters):
         for policy in POLICIES:
             for _ in range(BATCHES_PER_COMBINATION):
                 case = random_batch(g, tiny_host.vocab_size)
-                gamma = case.pop("draft_length")
+                K = case.pop("draft_length")
                 plain = generate(tiny_host, **case)
                 spec = generate(tiny_host, **case, drafter=drafters[drafter_name],
-                                verifier=random_verifier(policy, g), draft_length=gamma)
-                where = f"{drafter_name}/{policy} gamma={gamma} {case}"
+                                verifier=random_verifier(policy, g), draft_length=K)
+                where = f"{drafter_name}/{policy} draft_length={K} {case}"
                 assert spec.token_ids == plain.token_ids, where
                 assert spec.finish_reasons == plain.finish_reasons, where
                 for ids, limit, reason in zip(spec.token_ids, case["max_new_tokens"], spec.finish_reasons):
@@ -91,7 +91,7 @@ def test_fuzz_greedy_equals_plain_decoding(tiny_host, drafters):
                     assert reason == ("stop" if ids[-1] in case["stop_token_ids"] else "length"), where
                     assert reason == "stop" or len(ids) == limit, where
                 accepted, verified = spec.log.column("accepted"), spec.log.column("verified")
-                assert bool((accepted <= verified).all()) and bool((verified <= gamma).all()), where
+                assert bool((accepted <= verified).all()) and bool((verified <= K).all()), where
                 cases += len(case["prompts"])
     assert cases >= 300
 
@@ -101,12 +101,12 @@ def test_fuzz_sampling_never_fails(tiny_host, drafters, drafter_name):
     g = torch.Generator().manual_seed(7 + DRAFTERS.index(drafter_name))
     for policy in POLICIES:
         case = random_batch(g, tiny_host.vocab_size)
-        gamma = case.pop("draft_length")
+        K = case.pop("draft_length")
         sampling = SamplingConfig(temperature=[0.5, 1.0, 1.5][int(torch.randint(3, (1,), generator=g))],
                                   top_p=[1.0, 0.9, 0.5][int(torch.randint(3, (1,), generator=g))],
                                   top_k=[0, 5][int(torch.randint(2, (1,), generator=g))])
         out = generate(tiny_host, **case, drafter=drafters[drafter_name], verifier=random_verifier(policy, g),
-                       draft_length=gamma, sampling=sampling, seed=int(torch.randint(1000, (1,), generator=g)))
+                       draft_length=K, sampling=sampling, seed=int(torch.randint(1000, (1,), generator=g)))
         for ids, limit, reason in zip(out.token_ids, case["max_new_tokens"], out.finish_reasons):
             assert 1 <= len(ids) <= limit and all(0 <= t < tiny_host.vocab_size for t in ids)
             assert reason == "stop" or len(ids) == limit

@@ -174,8 +174,8 @@ class STSCalibrator:
         """Calibrated confidences c' (..., K), same shape, dtype and device as c, for any K <= `positions`.
 
         The fit is per position (t_k is chosen with t_1..t_{k-1} fixed, never looking at later positions), so
-        the first K temperatures are the calibration of a K-position drafter: a fit at gamma serves every draft
-        length up to gamma. Longer drafts have no temperatures and are an error (`check_positions`).
+        the first K temperatures are the calibration of a K-position drafter: a fit at draft length γ serves every
+        draft length up to γ. Longer drafts have no temperatures and are an error (`check_positions`).
         """
         K = c.shape[-1]
         self.check_positions(K)
@@ -189,8 +189,8 @@ class STSCalibrator:
             raise ValueError(
                 f"STS calibrator{name} was fitted for {self.positions} draft positions, but {K} are in use: it has "
                 f"no temperatures for positions {self.positions + 1}..{K}. Refit at the longest draft length you "
-                f"use (`dspark calibrate --draft-length {K}`; a fit at gamma serves every draft length up to "
-                f"gamma), or pass another --calibration")
+                f"use (`dspark calibrate --draft-length {K}`; a fit at one draft length serves every shorter "
+                f"one), or pass another --calibration")
 
     def save(self, path: str | Path) -> None:
         """Write the temperatures as JSON (schema in the module docstring)."""
