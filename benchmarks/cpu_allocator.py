@@ -1,6 +1,6 @@
 """CPU training step with and without `dspark.tune_cpu_allocator` (glibc mallopt: no mmap for large blocks).
 
-    python benchmarks/cpu_allocator.py [--repeats 2] [--steps 12] [--out benchmarks/cpu]
+    python benchmarks/cpu_allocator.py [--repeats 2] [--steps 12] [--out benchmarks/results/cpu]
 
 Runs the quickstart's `small` training recipe on SmolLM2 for a few steps in fresh processes, alternating
 DSPARK_MALLOC_TUNING=0 / 1 so both see the same machine state, and writes OUT/allocator.json (every run, machine,
@@ -41,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu"))
     args = parser.parse_args()
     recipe = training_config(SIZE, output="<run dir>", max_steps=args.steps, save_every=100000)
     with tempfile.TemporaryDirectory() as tmp:

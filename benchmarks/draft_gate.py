@@ -1,7 +1,7 @@
 """Is scheduled speculation ever much slower than plain decoding? Plain against DSpark + scheduler, with and without
-the draft gate, in alternating repeats on the same prompts (issue 22 item 9).
+the draft gate, in alternating repeats on the same prompts.
 
-    python benchmarks/draft_gate.py --drafter-path quickstart/drafter [--repeats 4] [--out benchmarks/cpu]
+    python benchmarks/draft_gate.py --drafter-path quickstart/drafter [--repeats 4] [--out benchmarks/results/cpu]
 
 The setting is the quickstart's (dspark/quickstart.py: host, `small` size on a CPU, 16 held-out ShareGPT prompts,
 96 new tokens, static batches of 8, greedy, gamma 7) with the drafter it trained; the cost table (verify SPS and
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--host", default="smollm2")
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "cpu"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu"))
     args = parser.parse_args(argv)
     size, device = SIZES[args.size], resolve_device("cpu")
     host = load_host(args.host, device=device, dtype=torch.float32)

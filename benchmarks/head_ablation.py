@@ -1,10 +1,10 @@
 """Which sequential head? DSpark's Markov / gated Markov / RNN heads against DFlash (no head), same everything else.
 
-    python benchmarks/head_ablation.py [--steps 120] [--heads markov gated rnn none] [--out benchmarks/cpu]
+    python benchmarks/head_ablation.py [--steps 120] [--heads markov gated rnn none] [--out benchmarks/results/cpu]
     python benchmarks/head_ablation.py --heads markov --max-anchors 40 160 --name anchor_ablation
 
 Trains one drafter per head for SmolLM2 on the recorded self-distilled ShareGPT data
-(experiments/data/sharegpt_smollm2_regen.jsonl.gz, the H200 runs' training data) with the quickstart's `small`
+(experiments/data/sharegpt_smollm2_regen.jsonl.gz, the SmolLM2 recipes' training data) with the quickstart's `small`
 CPU recipe (dspark/quickstart.py SIZES['small']), each in a fresh process with the same seed, data order and
 budget, and compares their teacher-forced held-out acceptance (per position and expected tau, the training's own
 evaluation on the held-out split). `none` is DFlash: the same backbone, heads off, L = L_ce. `--max-anchors`
@@ -12,7 +12,7 @@ runs every head at each anchors-per-sequence cap (default: the recipe's). Writes
 machine, versions, command, date) and OUT/NAME.md, NAME = head_ablation unless --name says otherwise.
 
 A small-budget CPU comparison: it ranks the heads early in training, it does not predict converged tau on a GPU
-run (benchmarks/RESULTS.md has those).
+run (benchmarks/results/smollm2-drafters/ has those).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--data-limit", type=int, default=1000, help="training conversations read")
     parser.add_argument("--max-anchors", type=int, nargs="+", default=[SIZE.max_anchors],
                         help="anchors-per-sequence caps to run each head at (default: the recipe's)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "cpu"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu"))
     parser.add_argument("--name", default="head_ablation", help="stem of the written .json / .md")
     args = parser.parse_args()
     if args.steps < 2:

@@ -1,19 +1,21 @@
-"""Where a speculative round's device time goes, stage by stage: kernels launched and their time, eager vs compiled.
+"""Where a speculative round's GPU time goes, stage by stage: kernels launched and their time, eager vs compiled.
 
     python benchmarks/round_profile.py --out-dir DIR [--host random:smollm2] [--concurrency 1 8]
 
 For each method (plain, n-gram, DFlash, DSpark, EAGLE-3; the drafters random-initialised in the shapes of
-experiments/runs/smollm2_h200.py unless --checkpoints holds trained ones: --backbone-layers 5, the Markov head of
-rank 256 with confidences, EAGLE-3 with 7 draft steps; the recorded H100 census ran 3 backbone layers) and each of
+experiments/recipes/smollm2-*.yaml unless --checkpoints holds trained ones: --backbone-layers 5, the Markov head of
+rank 256 with confidences, EAGLE-3 with 7 draft steps; the census in benchmarks/results/round-profile/ ran 3
+backbone layers) and each of
 --compile off / on (the host's decode steps and, greedy, the drafter's propose and observe and the round's commit
 through torch.compile: dspark.engine.compiled):
   - a closed-loop engine run (CUDA graphs, bf16, greedy, --new tokens per request): tokens/s, tau, rounds per
     second and the CUDA-event split of a round into draft / verify / accept;
   - a kernel census of one round's stages run eagerly under torch.profiler at concurrency 1: the number of device
-    kernels of propose, verify (at widths 1 and K + 1) and accept, their summed device time, and the costliest.
+    kernels of propose, verify (at widths 1 and K + 1) and accept, their summed kernel time, and the costliest.
 Random weights: tau is ~1 for the model drafters, so what matters here is the cost of a round (ratio to plain ÷ tau
 is plain round time ÷ speculative round time), which does not depend on the weights. Writes DIR/round_profile.json
-and prints a markdown table. Diagnostic: the recorded speed numbers come from benchmarks/speed.py.
+and prints a markdown table. Diagnostic: the engine's speed figures come from benchmarks/speed.py
+(benchmarks/results/engine-speed/).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ METHODS = ("plain", "ngram", "dflash", "dspark", "eagle3")
 
 def build(name: str, host, backbone_layers: int, checkpoints: Path | None):
     """The drafter `name`: trained from checkpoints/<name> when that folder exists, else random-initialised in
-    the recipe's shape (experiments/runs/smollm2_h200.py: DSpark and DFlash on `backbone_layers`, EAGLE-3 TTT K)."""
+    the recipe's shape (experiments/recipes/smollm2-*.yaml: DSpark and DFlash on `backbone_layers`, EAGLE-3 TTT K)."""
     if name == "plain":
         return None
     from drafters import build_drafter, for_inference

@@ -49,7 +49,7 @@ def resolve_drafter(host: Host, drafter=None, *, drafter_path: str | os.PathLike
     object, a registered name (random weights unless `drafter_path` is given), or a checkpoint directory (a
     registered name wins over a folder of the same name: see `drafter_directory`). A drafter built or loaded here
     decodes in the host's dtype (`drafters.for_inference`), or with dtype="float32" in its float32 master weights
-    (how it decoded before 2026-12-06); a Drafter object passed in is used as it is."""
+    (the weights as trained, not rounded to the host's dtype); a Drafter object passed in is used as it is."""
     from drafters import Drafter, for_inference
 
     if dtype not in ("host", "float32"):

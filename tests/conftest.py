@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(path: str, name: str | None = None):
-    """A script of the repository that is no package module (benchmarks/, experiments/runs/) as a fresh module."""
+    """A script of the repository that is no package module (benchmarks/) as a fresh module."""
     spec = importlib.util.spec_from_file_location(name or Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -74,10 +74,10 @@ def drafted_rounds_overlapped(gate: DraftGate, tau_of, rounds: int = 40, rows: i
 
 
 def test_the_gate_prices_plain_rows_at_their_own_shape():
-    """The H100 case (2026-12-07): 4 plain rows take 1.29 ms, 1 row of 4 tokens 1.73. A drafted round of 4 rows at
+    """A compiled small host's shapes: 4 plain rows take 1.29 ms, 1 row of 4 tokens 1.73. A drafted round of 4 rows at
     width 2 (3 tokens a row, 1.72 ms, plus a 0.43 ms draft) committing 5 tokens loses against plain (gain 0.75), but
-    priced by SPS(M), where M = 4 is the slower one-row shape, it looked like a gain of 1.01 and the gate kept
-    drafting. Priced by shape it stops after that round."""
+    priced by SPS(M), where M = 4 is the slower one-row shape, it would look like a gain of 1.01 and the
+    gate would keep drafting. Priced by shape it stops after that round."""
     from tests.test_cost_model import shaped_table
 
     cost = shaped_table({(1, 1): 1.28, (1, 2): 1.61, (1, 4): 1.73, (4, 1): 1.29, (4, 2): 1.65, (4, 4): 1.78})
@@ -325,7 +325,7 @@ def test_the_confidences_scale_follows_what_was_realised():
 
 def test_without_confidences_the_gate_is_priced_as_before():
     """expected=None (the n-gram, or any drafter without confidences): the smoothed gain is the average of the
-    realised per-round gains, as before the confidences were used."""
+    realised per-round gains, as for a gate that has no confidences to use."""
     gate = gate_with(2.0)
     smoothed = None
     for tau in [3, 2, 1, 2, 3, 1]:

@@ -176,8 +176,8 @@ def test_packaged_drafter_of_another_vocabulary_is_refused(qwen2_host, tmp_path,
 
 def test_a_slot_with_nothing_pending_proposes_again_without_error(tiny_host, small):
     """The slot engine's CUDA-graph runner warms up by proposing for idle slots, twice, with no commit between: the
-    second call finds every committed token already fed (0 pending). That must keep valid shapes (it crashed the
-    H200 graph run before)."""
+    second call finds every committed token already fed (0 pending). That must keep valid shapes (a graph run
+    crashes otherwise)."""
     prompts = random_prompts([6, 9], tiny_host.vocab_size, seed=8)
     W = 32
     seq = torch.zeros(2, W, dtype=torch.long)
@@ -237,9 +237,9 @@ def test_captured_propose_needs_no_backlog_after_the_prefill(tiny_host, small, m
 
 def test_graph_runner_warms_up_the_steps_its_capture_runs(tiny_host, monkeypatch):
     """The graph round runner proposes `warmup` times before it records (on CUDA: captures) the propose. A warm-up
-    that took the eager path (a bucketed prefix of the cache, a backlog feed) ran other small-LM steps than the
-    capture (the whole cache), so torch.compile recompiled the step pieces inside the capture (H100, torch 2.11:
-    "operation not permitted when stream is capturing"). Every step the warm-ups, the recording and its re-runs
+    that takes the eager path (a bucketed prefix of the cache, a backlog feed) runs other small-LM steps than the
+    capture (the whole cache), so torch.compile would recompile the step pieces inside the capture, which CUDA
+    forbids ("operation not permitted when stream is capturing"). Every step the warm-ups, the recording and its re-runs
     make is the capturable one (attend None), and the recording makes none the warm-ups did not."""
     from collections import defaultdict
 

@@ -3,8 +3,8 @@
 fp32 tiny host: for every drafter, greedy and sampled, continuous batching with graphs replayed gives every request
 the tokens the eager loop gives it decoding alone; the graphs are captured once per run and verify width: a
 propose graph with a capturable drafter and verifier, and a verify and an accept graph for each width the rounds
-used; rounds overlap (each launched before the last one is committed). Run on the GPU machine by
-benchmarks/speed.py's recipe (RESULTS.md).
+used; rounds overlap (each launched before the last one is committed). Run on a GPU machine
+with `pytest tests/test_engine_cuda.py`.
 """
 from __future__ import annotations
 
@@ -129,8 +129,7 @@ def test_compiled_step_writes_the_cache_as_the_eager_layers_on_cuda(kind):
 def test_graph_mode_profiles_replayed_steps(cuda_host, name, tmp_path):
     """`profile` and `profile_draft` in their CUDA default time captured graphs, as the slot engine runs them:
     positive and recorded as mode "graph" (eager on request). No timing comparison: speed claims live in the
-    benchmarks; an earlier form of this test compared graph and eager timings and failed once on a card shared with
-    a training (2026-12-06)."""
+    benchmarks, and graph against eager timings are unreliable on a GPU shared with other work."""
     from verifiers.cost_model import profile, profile_draft
 
     drafter = build_any(name, cuda_host, tmp_path)
@@ -148,9 +147,9 @@ def test_graph_mode_profiles_replayed_steps(cuda_host, name, tmp_path):
 def test_lookahead_on_a_smollm2_sized_host_keeps_the_packed_output(tmp_path, monkeypatch):
     """A SmolLM2-shaped host (random weights, its 49k vocabulary: graph temporaries of a real size) with n-gram
     drafts, the lookahead's propose replayed after accept: every round's packed output (what the CPU commits) says
-    what the device committed, and every request gets its whole budget. Before the propose graph had a
-    pool of its own, its replay could overwrite the packed output before the copy read it (on the H200, a
-    device-side index error in the second request of `benchmarks/speed.py`'s drop-in row)."""
+    what the device committed, and every request gets its whole budget. Without a pool of its own for the
+    propose graph, its replay can overwrite the packed output before the copy reads it (a device-side index error
+    in a later request)."""
     from dspark.engine import graphs
     from dspark.engine.models import load_host
     from dspark.engine.round import N_ACCEPTED
@@ -205,7 +204,7 @@ def test_admission_and_retirement_wait_on_nothing_the_device_runs(cuda_host, nam
     slots.admit([0, 1], requests[:2])  # the shapes' first use captures (a synchronising warm-up), outside the check
     slots.retire([0, 1])
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued ahead of the admission
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of the admission
     first = slots.admit([2, 3], requests[:2])
     slots.retire([3])
     assert not torch.cuda.current_stream().query(), "admission or retirement waited for the device"

@@ -338,7 +338,7 @@ def test_verifier_files_are_replaced_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="killed mid-write"):
         CostModel(tokens=[1, 64], sps=[100.0, 90.0], host="tiny", device="cpu").save(tmp_path / "cost.json")
     assert STSCalibrator.load(path).temperatures == [1.0, 2.0]  # the old file, whole
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sts.json"]  # no half-written or staging files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sts.json"]  # no half-written or temporary files
 
 
 # ---- data and config -----------------------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_smollm2_gguf_variable_names_a_missing_file(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_from_a_gguf_file_without_the_package(tmp_path, monkeypatch):
-    """A machine that cannot install the wheel (the staged GPU machine) names the copied GGUF instead."""
+    """A machine that cannot install the wheel (an offline one with the GGUF copied over) names the copy instead."""
     gguf = tmp_path / "staged" / "smollm2.gguf"
     gguf.parent.mkdir()
     shutil.copy(packaged_hosts.part_files("smollm2")[0], gguf)
@@ -220,7 +220,7 @@ def test_smollm2_converts_once_then_loads_the_safetensors_cache(tmp_path, monkey
     )
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert (tmp_path / "models" / "smollm2" / "model.safetensors").is_file()
-    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]  # staging dir removed
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]  # temporary dir removed
 
     text = render_chat(tokenizer, [{"role": "user", "content": "What is 2+2?"}])
     # SmolLM2's own template adds its default system prompt; the toolkit keeps it.
@@ -237,7 +237,7 @@ def test_smollm2_converts_once_then_loads_the_safetensors_cache(tmp_path, monkey
     monkeypatch.setattr(models, "_convert_gguf", no_conversion)
     start = time.perf_counter()
     cached, cached_tokenizer = load_model_and_tokenizer("smollm2")
-    assert time.perf_counter() - start < 15  # ~1 s measured; generous for a shared CPU
+    assert time.perf_counter() - start < 15  # a cached load takes ~1 s; generous for a shared CPU
     assert cached_tokenizer.chat_template == tokenizer.chat_template
     assert cached_tokenizer(text, add_special_tokens=False).input_ids == ids[0].tolist()
     with torch.no_grad():

@@ -60,7 +60,7 @@ def test_parts_are_joined_in_order(fake, tmp_path):
     assert [p.size for p in PACKAGED_HOSTS["fake"].parts] == [1000, 1000, 500]
     out = join_parts("fake", tmp_path / "joined.gguf")
     assert out.read_bytes() == fake
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["joined.gguf", "site"]  # no staging file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["joined.gguf", "site"]  # no temporary file left
 
 
 def test_load_hands_the_checked_join_to_the_converter_then_removes_it(fake, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""benchmarks/round_profile.py on the CPU: the script's smoke test (the GPU run is recorded in RESULTS.md)."""
+"""benchmarks/round_profile.py on the CPU: the script's smoke test (a GPU run: benchmarks/results/round-profile/)."""
 from __future__ import annotations
 
 import json

@@ -15,8 +15,9 @@ assumes. Given the width L, positions j <= L of every row are computed anyway, s
 adds expected tokens: the best lengths at width L are ell_r = min(L, limit_r). The scheduler therefore chooses
 the width: Θ(L) = (R + Σ_r Σ_{j<=min(L, limit_r)} a_{r,j}) / t(R, L + 1) for L = 0..K, one cumsum over depths,
 where t(R, T) is the profiled forward of R rows T tokens wide (`CostModel.step_seconds`; 1 / SPS(R·T) for tables
-without that grid). why by shape and not by M = R·T alone: shapes with one M differ (on the H100, 4 rows of 1 token
-1.29 ms, 1 row of 4 tokens 1.73 ms), and the SPS(M) table keeps the slowest, which priced plain rows too dear.
+without that grid). why by shape and not by M = R·T alone: shapes with one M differ (on a small compiled host,
+4 rows of 1 token run faster than 1 row of 4 tokens), and the SPS(M) table keeps the slowest, which prices plain
+rows too dear.
 
 Early stop (Algorithm 1's rule, over depths): deepen while Θ(L) > Θ(L − 1), stop at the first depth that does not
 improve. Whether x_{r,j} is verified then depends only on survivals at depths <= j, i.e. on c_{r,<=j}, which
@@ -133,7 +134,7 @@ def exhaustive_optimum(a: torch.Tensor, sps: SPS) -> tuple[torch.Tensor, float]:
 #: the draft gate's prior on its confidences' scale, in accepted drafts: (A + p) / (E + p) starts at 1 and follows
 #: the realised ratio once the drafted rounds have expected a few times p drafts (DraftGate). why 1: the scale
 #: multiplies the whole smoothed average, and a drafter whose confidences say 0.9 and which is never accepted
-#: (tests/test_draft_gate.py) should stop within a few rounds, as it did when it was judged by its realised counts
+#: (tests/test_draft_gate.py) should stop within a few rounds, as it would if judged by its realised counts alone
 CALIBRATION_PRIOR = 1.0
 
 
@@ -148,9 +149,9 @@ class DraftGate:
     So gain = (c / rows)·t_v(R, 1) / (t_v(R, L + 1) + t_d(R)),
     smoothed over a streak of drafted rounds (exponential moving average, weight `smoothing` on the newest; the
     default 0.1, about ten rounds of memory, because acceptance comes in bursts: with 0.3 a run of a few rejected
-    rounds stopped an n-gram drafter that paid 1.5x on average; chosen on the replayed SmolLM2 n-gram traces priced
-    with the llama-8b table, benchmarks/RESULTS.md, where 0.3 / 0.1 / 0.05 were compared; a drafter that never pays
-    is still stopped by its first round, since a streak starts from that round alone).
+    rounds stops an n-gram drafter that pays on average; chosen among 0.3 / 0.1 / 0.05 on SmolLM2 n-gram traces
+    replayed with the llama-8b table, both in benchmarks/results/cost-model/; a drafter that never pays is still
+    stopped by its first round, since a streak starts from that round alone).
     While gain <= 1, the next rounds are plain: no draft forward, nothing verified. Then one round drafts again as
     a probe and is judged on its own (one round also where rounds overlap: those launched before its outcome is
     heard are plain, `draft_next`); a probe that pays resumes drafting every round. The wait after a failure is
@@ -167,14 +168,10 @@ class DraftGate:
     price never rests on calibration alone). The gain is linear in that scale, so the gate smooths its two terms
     apart (the bonus token's plain / spent, and the drafts' share) and applies today's scale to the whole average: a
     scale that falls lowers every round's price at once. why: a realised count is one draw of a noisy outcome, and a
-    probe that drew high restarted a streak that took about 25 losing rounds to end. Measured on the H100 traces of
-    2026-12-07 (benchmarks/RESULTS.md, fourteenth session): DSpark's confidences expected 0.335 accepted drafts a
-    round against 0.359 realised, and its accepted counts were not bursty (lag-one correlation 0.02, against the
-    n-gram's 0.41), so a paying probe said nothing about the next round. Replayed on the five H100 validation
-    folders of 2026-12-07 (benchmarks/h100/simulator_validation_20261207*/, gate_variants.py there; a change made
-    after seeing those runs, not yet measured on a GPU), DSpark + scheduler moved by -0.4 to +1.2 points of plain
-    decoding (15 rows, C = 1 to 64). A drafter without confidences (the n-gram) is priced by its realised counts, as
-    before.
+    probe that draws high restarts a streak that takes many losing rounds to end; DSpark's confidences track
+    its realised acceptance closely, and its accepted counts are not bursty (unlike the n-gram's), so a
+    paying probe says little about the next round (benchmarks/results/concurrency/ runs the scheduler with this gate
+    from C = 1 to 512). A drafter without confidences (the n-gram) is priced by its realised counts.
 
     Lossless: whether a round drafts depends only on finished rounds (their counts and their drafts' confidences,
     both known before the rounds it decides about are drafted) and on whether a launched probe was heard yet, never
@@ -217,9 +214,8 @@ class DraftGate:
     def draft_next(self) -> bool:
         """Whether the next round drafts. A probe (the first round, or the first after a wait) is one round: the
         rounds launched before its outcome is heard are plain. why: the overlapped slot engine launches round r + 1
-        before it commits round r, so without this a failed probe drafted twice (on the H100 at C = 1, 54 of
-        DSpark's 3,162 gated rounds drafted, each at 2.7x a plain round's cost); in order, the outcome is always
-        heard first and nothing changes."""
+        before it commits round r, so without this a failed probe would draft twice, paying a drafted round's
+        cost (a few plain rounds') once more; in order, the outcome is always heard first and nothing changes."""
         if self.skip_left > 0 or self.awaiting:
             return False
         self.awaiting = self.gain is None or self.probing

@@ -4,7 +4,7 @@ Shapes: B requests, T query tokens, W key positions, Hq query heads, Hkv key/val
 
 why not SDPA's own enable_gqa: with an attention mask (every step here has one) SDPA runs grouped heads only in its
 math backend, which expands the keys per query head and runs the scores, mask, softmax and weighting as separate
-kernels (its flash backend, the one that takes grouped heads natively, takes no mask; reported through 2026, e.g.
+kernels (its flash backend, the one that takes grouped heads natively, takes no mask; reported upstream, e.g.
 pytorch/pytorch#139586, huggingface/transformers#39412). Packing the g query heads of one key/value head into its
 query rows (g * T rows, each with its token's mask row) is the same attention, and a fused backend then runs it in
 one kernel (tests/test_engine_cuda.py runs it with the math backend disallowed).
@@ -41,7 +41,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def unpack_heads(out: torch.Tensor, num_heads: int, T: int) -> torch.Tensor:
     """grouped_attention's packed output (B, Hkv, g * T, D) -> (B, T, Hq * D), the output projection's input
     (query head h = kv_head * g + j, features h * D + d). why here: in compiled code this is one copy kernel from
-    whatever layout SDPA returned, where reshaping to (B, Hq, T, D) first and transposing after was two."""
+    whatever layout SDPA returned, where reshaping to (B, Hq, T, D) first and transposing after is two."""
     B, Hkv, _, D = out.shape
     return out.reshape(B, Hkv, num_heads // Hkv, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, num_heads * D)
 
@@ -55,7 +55,7 @@ def restrict_sdpa(backends) -> None:
     """Let SDPA choose only among `backends` (names of SDPA_BACKENDS) in this process, before anything compiles
     (torch.compile picks the kernel when it traces). For the benchmarks to compare them on one card: with a mask,
     which every step here has, SDPA prefers cuDNN on Hopper, whose call adds a memset kernel per layer; the
-    memory-efficient kernel, tried instead, was slower (benchmarks/RESULTS.md, "SDPA backend")."""
+    memory-efficient kernel drops the memset but is slower a layer and its output needs a layout copy."""
     unknown = set(backends) - set(SDPA_BACKENDS)
     if unknown or not backends:
         raise ValueError(f"SDPA backends must be among {sorted(SDPA_BACKENDS)}, got {list(backends)}")

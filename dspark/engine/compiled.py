@@ -3,10 +3,10 @@
 Shapes: B requests, T tokens in a step, H hidden size, Hq / Hkv query / key-value heads, D head dim, W cache
 positions attended.
 
-why: a small host's verify step is bound by the number of kernels it launches, not by its weights. On the H200
-the SmolLM2 step replayed as a CUDA graph took 1.9 ms for 30 layers against a 0.06 ms weight-read floor, and the
-random llama-8b step 1.7x its floor (benchmarks/h200/speed.json); a graph removes launch gaps but not kernels, and
-eagerly each layer runs ~25 (norms in float32, rotary, residual adds, SiLU times up, between five GEMMs).
+why: a small host's verify step is bound by the number of kernels it launches, not by its weights: even replayed
+as a CUDA graph, a SmolLM2 step takes far longer than reading its weights once (benchmarks/results/round-profile/
+has the kernel census, eager and compiled); a graph removes launch gaps but not kernels, and eagerly each layer
+runs ~25 (norms in float32, rotary, residual adds, SiLU times up, between five GEMMs).
 Inductor fuses that elementwise work into a few generated kernels around the GEMMs, which cuBLAS still runs.
 
 The seam between layers: layer i's output projection, residual, MLP and residual are compiled together with layer
@@ -19,8 +19,8 @@ with the query heads packed: dspark.engine.attention), whose packed output the n
 first layer, a fourth piece makes the step's inputs (embedding, rotary, the packed masks: Host._inputs). The pieces
 are compiled per Host and shared by all layers (the weights are arguments, the head counts constants of the closure).
 Shapes: torch.compile's default, static for the first step shape and dynamic in the tokens from the second on, so a
-run over several concurrencies and verify widths compiles each piece about twice, not once per shape (on the H200
-each compilation costs seconds of warm-up). Only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a
+run over several concurrencies and verify widths compiles each piece about twice, not once per shape (each
+compilation costs seconds of warm-up). Only decode steps use them (Host.step: T <= COMPILE_MAX_T, and never a
 prefill); prefills run the eager layers.
 
 It pays under CUDA graphs (the slot engine's default on CUDA), where the pieces run only while a round is captured;
@@ -51,7 +51,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None  # torch.compile's G
 
 def auto(host) -> bool:
     """Whether a host left to choose (`Host(compile=None)`, the default) runs compiled decode steps: on CUDA, where
-    the captured rounds replay them (benchmarks/round_profile.py: faster at every concurrency and drafter measured),
+    the captured rounds replay them (benchmarks/results/round-profile/: faster at every concurrency and drafter there),
     when the host is supported and triton (torch.compile's GPU backend) is installed."""
     return host.device.type == "cuda" and HAS_TRITON and supported(host) is None
 
@@ -170,10 +170,10 @@ def drafter_fn(drafter, method: str, host, greedy: bool = True):
     why: a captured round's propose stage is a chain of small kernels (a drafter's layers, then K sequential head or
     draft steps over the vocabulary; the n-gram's unfold-compare-max per n), and observe (in the accept stage)
     projects the new features through every drafter layer into its cache; like the host's step they are bound by
-    the number of kernels (benchmarks/round_profile.py counted them: DSpark's propose 266 eager, 115 compiled, on
-    the H100), and inductor fuses the elementwise work around the GEMMs. why greedy only for propose: the sampled
-    path's counter-based noise (int64 splitmix64 over the vocabulary) crashed inductor's CPU code generation (torch
-    2.13), and the speed claims are greedy; sampled proposals run the eager method.
+    the number of kernels (benchmarks/results/round-profile/ counts them, eager and compiled), and inductor fuses
+    the elementwise work around the GEMMs. why greedy only for propose: the sampled path's counter-based noise
+    (int64 splitmix64 over the vocabulary) crashes inductor's CPU code generation (torch 2.13), and the speed claims
+    are greedy; sampled proposals run the eager method.
 
     Same math as the eager methods up to the rounding of fused kernels: tests/test_compiled.py compares the tokens
     in float32 on the CPU."""
@@ -191,8 +191,8 @@ def commit_fn(commit, host, greedy: bool):
     """dspark.engine.round._commit (acceptance and the commit of tokens) as the engine runs it over `host`: through
     torch.compile (compiled once per process) when the host runs compiled and decoding is greedy, else itself.
     why: like the other stages, a round's accept is a chain of small kernels (argmax over the vocabulary, the
-    accepted-prefix count, the scatter of the new tokens, the packing of the round's output: 32 at C = 1 on the
-    H100, benchmarks/h100/round_profile.json), which inductor fuses. Greedy only, as drafter_fn's propose."""
+    accepted-prefix count, the scatter of the new tokens, the packing of the round's output;
+    benchmarks/results/round-profile/ counts them), which inductor fuses. Greedy only, as drafter_fn's propose."""
     if not (host.compiling and greedy):
         return commit
     if commit not in _COMPILED:

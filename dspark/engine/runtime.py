@@ -31,8 +31,8 @@ def tune_cpu_allocator() -> bool:
     returns False elsewhere or when DSPARK_MALLOC_TUNING=0).
 
     Why by hand: glibc serves every block over a few MiB with a fresh mmap and unmaps it on free, so each training
-    step on a CPU re-faults hundreds of MB of logits and host distributions (benchmarks/cpu_allocator.py: the
-    quickstart's training step 3.97 -> 3.15 s on 2 cores, peak RSS 2.6 -> 3.4 GiB, identical losses). PyTorch's
+    step on a CPU re-faults hundreds of MB of logits and host distributions; keeping them makes a training step
+    faster for a larger peak RSS, with identical losses (benchmarks/results/cpu/allocator.md). PyTorch's
     CPU tuning guide prescribes jemalloc / tcmalloc through LD_PRELOAD, which must happen before the process
     starts; mallopt(3) reaches the same effect from inside it. Process-wide: the `dspark` commands and the test
     suite call it; library users opt in. Results are unchanged (allocation placement only)."""

@@ -79,12 +79,12 @@ def uniform(seeds: torch.Tensor, counter: torch.Tensor, stream: int, n: int | No
 
 
 # why not x.argmax(-1) alone: inductor never splits an arg-reduction (torch/_inductor/ir.py, num_splits), so under
-# torch.compile a row of a large vocabulary is reduced by one program. On the H100, inside the compiled rounds of a
-# Qwen2.5-1.5B-shaped host (V = 151,936), a one-row argmax took 34-39 us, and DSpark's seven in a propose a quarter
-# of it. Two stages, the max of each of 128 chunks of a row and then the first chunk holding the row's max, spread a
-# row over 128 programs and give the same first maximal index: compiled and replayed in CUDA graphs, float32, 4.2
-# against 26.8 us at 1 row, 7.9 against 25.4 at 8, 38.0 against 39.9 at 64 (benchmarks/argmax_split.py;
-# benchmarks/h100/argmax_split/). With more rows one stage has programs enough.
+# torch.compile a row of a large vocabulary is reduced by one program, and in the compiled rounds of a host with a
+# vocabulary of Qwen2.5's size the argmaxes of a propose (DSpark's seven) become a large share of it. Two stages,
+# the max of each of 128 chunks of a row and then the first chunk holding the row's max, spread a row over 128
+# programs and give the same first maximal index; compiled and replayed in CUDA graphs they are several times
+# faster at 1 and 8 rows and about even at 64 (benchmarks/argmax_split.py measures both). With more rows one stage
+# has programs enough.
 _ARGMAX_CHUNKS = 128
 _ARGMAX_MIN_VOCAB = 16384  # shorter rows stay one stage: one program reduces them in a few microseconds
 _ARGMAX_MAX_ROWS = 64

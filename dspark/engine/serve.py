@@ -127,7 +127,7 @@ def _drafter_admission_setting() -> bool:
 
 #: False: the drafter's part of each admission runs as called even where the rounds and the host's prefill replay
 #: graphs (dspark.engine.prefill.DrafterPrefill): benchmarks/speed.py's A/B (--drafter-admission eager), or
-#: DSPARK_DRAFTER_ADMISSION=eager in the environment (every process, e.g. a driver's `dspark bench` runs)
+#: DSPARK_DRAFTER_ADMISSION=eager in the environment (every process, e.g. each `dspark bench` a script starts)
 CAPTURE_DRAFTER_ADMISSION = _drafter_admission_setting()
 
 
@@ -137,8 +137,8 @@ def quiet_gc(stats: EngineStats):
     object alive at entry frozen (gc.freeze), unfrozen at exit. Yields a function that freezes what exists at that
     moment too (for graphs captured inside the loop). why: a collection of the oldest generation scans every
     tracked object, and after torch.compile and graph capture a process holds hundreds of thousands of them, a
-    pause that lands in whichever round triggers it (benchmarks/gc_pause.py on the 2-core CPU machine: 0.5 M objects,
-    a loop's collections 209-221 ms unfrozen against 26-30 ms frozen). Where the caller froze objects already
+    pause that lands in whichever round triggers it; frozen, those objects are skipped and the loop's collections
+    take several times less (benchmarks/gc_pause.py measures both). Where the caller froze objects already
     (gc.get_freeze_count() > 0) nothing is frozen or unfrozen here: gc.unfreeze would release theirs too."""
     started: list[float] = []
 

@@ -122,8 +122,8 @@ class Slots:
         an admission waits on nothing the device is still running (a round launched before it, serve's overlap)."""
         host, device, n = self.host, self.host.device, len(requests)
         plen_cpu = torch.tensor([len(r.prompt) for r in requests])
-        # why a bucketed width: each new prefill shape costs kernel and attention-plan selection on a GPU (about
-        # 0.2 s per new length with cuDNN attention on the H200), and arrivals come with every prompt length;
+        # why a bucketed width: each new prefill shape costs kernel and attention-plan selection on a GPU (a
+        # fraction of a second with cuDNN attention), and arrivals come with every prompt length;
         # the padding positions are written past each row's end and never attended to
         P = min(-(-int(plen_cpu.max()) // PREFILL_BUCKET) * PREFILL_BUCKET, self.max_len)
         seq = torch.zeros(n, self.max_len, dtype=torch.long)
