@@ -9,12 +9,12 @@ CPU blocked in (torch.profiler), for plain decoding and one (drafter, policy) on
 Per method: an untimed decode (first-use costs), then the same decode under cProfile (functions by their own
 time), then, on CUDA, under torch.profiler (seconds in each blocking runtime call: cudaEventSynchronize,
 cudaMemcpyAsync, cudaStreamSynchronize, cudaDeviceSynchronize, with counts). Each decode's seconds, rounds and
-engine stats (experiments.common.engine_stats) come with them. Writes DIR/loop_profile.json and prints the tables.
+engine stats (dspark.sweep.engine_stats) come with them. Writes DIR/loop_profile.json and prints the tables.
 
 why a script of its own next to round_profile.py (the device's kernels per stage): a difference in the loop's own
-time or in where it waits does not show in a kernel census. This is how the C = 512 capture artefact was found
-(benchmarks/RESULTS.md, 2026-12-06): both runs blocked the same time in total, 0.30 s of the scheduler's in the
-width reads of its probe rounds, the first right after the admission.
+time or in where it waits does not show in a kernel census: work queued ahead of a read (an admission's prefill
+before a probe round's width read, or before a capture: dspark.engine.graphs.GraphRound._clock) shows only as time
+blocked in the runtime calls.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.api import load_host  # noqa: E402
 from dspark.engine.decode import generate  # noqa: E402
 from dspark.engine.workload import warm_up_prompts  # noqa: E402
-from experiments.common import (build_drafters, build_policy, engine_stats, load_prompts,  # noqa: E402
-                                sampling_config)
+from dspark.sweep import build_policy, engine_stats  # noqa: E402
+from experiments.common import build_drafters, load_prompts, sampling_config  # noqa: E402
 
 #: CUDA runtime calls in which the CPU waits for the device
 BLOCKING = ("cudaEventSynchronize", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",

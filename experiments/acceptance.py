@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import (RunOptions, Section, backend, build_drafters, envelope, figure, fmt_list, load_prompts,
-                                parse_domains, result_row, sampling_config, write_result)
+from dspark.documents import Section, envelope, figure, fmt_list, write_result
+from dspark.engine.workload import backend
+from dspark.sweep import result_row
+from experiments.common import RunOptions, build_drafters, load_prompts, parse_domains, sampling_config
 
 
 @dataclass
@@ -35,11 +37,12 @@ class AcceptanceOptions:
         "help": "drafter names"})
     domains: dict[str, str] = field(default_factory=dict, metadata={
         "help": "NAME=SOURCE prompt sources per domain (default chat=sharegpt code=humaneval math=champ)"})
-    draft_length: int = field(default=7, metadata={"help": "gamma"})
+    draft_length: int = field(default=7, metadata={"help": "draft length γ: draft tokens proposed per round"})
     concurrency: int = field(default=8, metadata={"help": "requests in flight"})
     holdout: float = field(default=0.5, metadata={
         "help": "share of the requests kept out of the STS fit; the before / after metrics are measured on them"})
-    engine: str = field(default="static-batch", metadata={"help": "decode backend (experiments.common)"})
+    engine: str = field(default="static-batch", metadata={
+        "help": "decode backend: continuous or static-batch (dspark.engine.workload)"})
 
 
 def calibration(result, K: int, holdout: float) -> dict | None:

@@ -1,15 +1,15 @@
-"""Draft length: tau and speed against gamma for drafters trained at one gamma and evaluated at others, and the
-DSpark / DFlash tau margin against gamma (matched where each gamma has its own checkpoint).
+"""Draft length: tau and speed against the draft length γ for drafters trained at one length and evaluated at others,
+and the DSpark / DFlash tau margin against γ (matched where each draft length has its own checkpoint).
 
     dspark experiment length --host smollm2 --drafters dspark dflash eagle3 ngram \\
         --drafter-paths dspark=ckpt/dspark dflash=ckpt/dflash eagle3=ckpt/eagle3 \\
         dspark@15=ckpt/dspark15 dflash@15=ckpt/dflash15 --draft-lengths 2 3 5 7 10 13 15 --out-dir results/length
 
-A NAME@GAMMA=DIR checkpoint is used at that gamma, NAME=DIR at the others. DSpark / DFlash draft at most the block
-they were trained with (K <= gamma, drafters/dspark.py), so larger gammas are listed under `skipped`; without a
+A NAME@N=DIR checkpoint is used at draft length N, NAME=DIR at the others. DSpark / DFlash draft at most the block
+they were trained with (K <= block_size, drafters/dspark.py), so longer drafts are listed under `skipped`; without a
 checkpoint they get random weights with a block of max(--draft-lengths). Verify-all policy, so tau measures the
-drafter alone. Rows: method, draft_length, trained_length, matched (trained at this gamma), tau, accepted per
-round, tokens/s, conditional acceptance per position. `margin`: per gamma where both ran, tau(dspark) /
+drafter alone. Rows: method, draft_length, trained_length, matched (trained at this draft length), tau, accepted
+per round, tokens/s, conditional acceptance per position. `margin`: per draft length where both ran, tau(dspark) /
 tau(dflash) - 1. Writes OUT_DIR/length.json, length.md and length.png.
 """
 from __future__ import annotations
@@ -18,8 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.common import (RunOptions, Section, backend, build_drafters, envelope, figure, load_prompts,
-                                result_row, sampling_config, trained_length, write_result)
+from dspark.documents import Section, envelope, figure, write_result
+from dspark.engine.workload import backend
+from dspark.sweep import block_limit, result_row, trained_length
+from experiments.common import RunOptions, build_drafters, load_prompts, sampling_config
 
 
 @dataclass
@@ -27,9 +29,10 @@ class LengthOptions:
     drafters: list[str] = field(default_factory=lambda: ["dspark", "dflash", "ngram"], metadata={
         "help": "drafter names"})
     draft_lengths: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 7, 10, 13, 16], metadata={
-        "help": "gamma values evaluated"})
+        "help": "draft lengths γ evaluated"})
     concurrency: int = field(default=8, metadata={"help": "requests in flight"})
-    engine: str = field(default="static-batch", metadata={"help": "decode backend (experiments.common)"})
+    engine: str = field(default="static-batch", metadata={
+        "help": "decode backend: continuous or static-batch (dspark.engine.workload)"})
     data: str = field(default="sharegpt", metadata={"help": "prompt source for hosts with a tokenizer"})
 
 
@@ -39,31 +42,31 @@ def measure(host, run: RunOptions, opts: LengthOptions, *, prompts: list[list[in
     decode = backend(opts.engine)
     drafters = build_drafters(host, opts.drafters, run.drafter_paths, opts.draft_lengths)
     rows, skipped = [], []
-    for (name, gamma), drafter in drafters.items():
-        trained = trained_length(drafter)
-        if name in ("dspark", "dflash") and trained is not None and gamma > trained:
-            skipped.append({"method": name, "draft_length": gamma,
-                            "reason": f"gamma {gamma} > the block of {trained} it was trained with"})
+    for (name, K), drafter in drafters.items():
+        trained, limit = trained_length(drafter), block_limit(drafter)
+        if limit is not None and K > limit:
+            skipped.append({"method": name, "draft_length": K,
+                            "reason": f"draft length {K} > the block of {limit} it was trained with"})
             continue
-        result = decode(host, prompts, drafter=drafter, verifier=None, draft_length=gamma,
+        result = decode(host, prompts, drafter=drafter, verifier=None, draft_length=K,
                         concurrency=opts.concurrency, max_new_tokens=run.max_new_tokens,
                         sampling=sampling_config(run.temperature), seed=run.seed)
-        row = result_row(result, draft_length=gamma, method=name, policy="full", concurrency=opts.concurrency,
-                         engine=opts.engine, trained_length=trained, matched=trained == gamma)
+        row = result_row(result, draft_length=K, method=name, policy="full", concurrency=opts.concurrency,
+                         engine=opts.engine, trained_length=trained, matched=trained == K)
         rows.append(row)
-        print(f"{name:8s} gamma {gamma:2d} (trained {trained}) tau {row['tau']:.3f}", flush=True)
+        print(f"{name:8s} draft length {K:2d} (trained {trained}) tau {row['tau']:.3f}", flush=True)
     return {"rows": rows, "skipped": skipped, "margin": margin(rows)}
 
 
 def margin(rows: list[dict]) -> list[dict]:
-    """Per gamma with both a dspark and a dflash row: tau(dspark) / tau(dflash) - 1 and whether both were trained
-    at that gamma."""
+    """Per draft length with both a dspark and a dflash row: tau(dspark) / tau(dflash) - 1 and whether both were
+    trained at that length."""
     by = {(r["method"], r["draft_length"]): r for r in rows}
     out = []
-    for gamma in sorted({r["draft_length"] for r in rows}):
-        a, b = by.get(("dspark", gamma)), by.get(("dflash", gamma))
+    for K in sorted({r["draft_length"] for r in rows}):
+        a, b = by.get(("dspark", K)), by.get(("dflash", K))
         if a and b:
-            out.append({"draft_length": gamma, "dspark_tau": a["tau"], "dflash_tau": b["tau"],
+            out.append({"draft_length": K, "dspark_tau": a["tau"], "dflash_tau": b["tau"],
                         "margin": a["tau"] / b["tau"] - 1.0, "matched": bool(a["matched"] and b["matched"])})
     return out
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from experiments import EXPERIMENTS
-from experiments.common import section_markdown
+from dspark.documents import section_markdown
 
 
 @dataclass

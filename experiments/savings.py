@@ -1,12 +1,13 @@
 """Verified-token savings: what a policy that verifies fewer drafts than verify-all saves, what it gives up, and
-the throughput change the savings buy, per (drafter, policy, gamma) and concurrency.
+the throughput change the savings buy, per (drafter, policy, draft length) and concurrency.
 
     dspark experiment savings --host smollm2 --drafters dspark --drafter-paths dspark=ckpt/dspark \\
         --policies full threshold scheduler --draft-lengths 5 7 --concurrency 1 8 32 --out-dir results/savings
     dspark experiment savings --from-json results/concurrency/concurrency.json --out-dir results/savings
 
-It decodes the concurrency runner's grid (experiments.concurrency, "full" added when missing, so every policy
-has its verify-all twin on the same prompts, seeds and C) or reads a concurrency.json that holds both. Per row
+It decodes the concurrency runner's grid (dspark.sweep through experiments.concurrency, "full" added when missing,
+so every policy has its verify-all twin on the same prompts, seeds and C) or reads a concurrency.json (from
+`dspark experiment concurrency`, `dspark bench` or `dspark sweep`) that holds both. Per row
 (every policy except full): verified and accepted drafts per request-round, savings_vs_full = 1 - verified /
 verified under verify-all, tau_given_up = tau(full) - tau, throughput_change = tokens/s / tokens/s(full) - 1.
 Writes OUT_DIR/savings.json (`rows`, `source_rows`), savings.md and savings.png.
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from experiments.common import RunOptions, Section, envelope, figure, load_prompts, plot_log_x, write_result
-from experiments.concurrency import ConcurrencyOptions, measure
+from dspark.documents import Section, envelope, figure, plot_log_x, write_result
+from dspark.sweep import measure
+from experiments.common import RunOptions, load_prompts
+from experiments.concurrency import ConcurrencyOptions, sweep_of
 
 
 @dataclass
@@ -30,7 +33,8 @@ class SavingsOptions:
 
 
 def savings(rows: list[dict]) -> list[dict]:
-    """One row per non-full speculative setting and C that has a verify-all twin (same method, gamma, C, engine)."""
+    """One row per non-full speculative setting and C that has a verify-all twin (same method, draft length, C,
+    engine)."""
     full = {(r["method"], r["draft_length"], r["concurrency"], r["engine"]): r for r in rows if r["policy"] == "full"}
     out = []
     for r in rows:
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         host = _host(h)
         prompts = load_prompts(host, cc.data, run.num_prompts, seed=run.seed, max_prompt_length=run.max_prompt_length)
         doc = envelope("savings", argv=argv, host=host, options=[h, run, cc, opts])
-        doc["source_rows"] = measure(host, run, cc, prompts=prompts, out_dir=Path(run.out_dir))["rows"]
+        doc["source_rows"] = measure(host, prompts, sweep_of(host, run, cc), out_dir=Path(run.out_dir))["rows"]
     doc["rows"] = savings(doc["source_rows"])
     path = write_result(doc, run.out_dir, render)
     print(f"wrote {path}")

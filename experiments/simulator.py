@@ -44,10 +44,10 @@ from typing import Callable, Optional
 
 import torch
 
+from dspark.documents import Section, write_result
 from dspark.engine.acceptance import expected_accepted
 from dspark.engine.protocol import Proposal
 from dspark.engine.round import backlog_rounds, width_bucket
-from experiments.common import Section, write_result
 from verifiers.prefix_scheduler import forward_seconds
 
 FORMAT = "dspark.trace"
@@ -320,7 +320,7 @@ def name_by_trace(rows: list[dict]) -> None:
 
 
 def render(doc: dict, out: Path) -> Section:
-    from experiments.concurrency import render as render_concurrency
+    from dspark.sweep import render as render_concurrency
 
     section = render_concurrency(doc, out)
     section.title = "simulate: replayed throughput and per-request speed against concurrency (predicted)"
@@ -333,7 +333,7 @@ def render(doc: dict, out: Path) -> Section:
 def main(argv: list[str] | None = None) -> int:
     from dspark.config import parse, to_dict
     from dspark.quickstart import environment
-    from experiments.concurrency import add_speedup, break_even
+    from dspark.sweep import add_speedup, break_even
     from verifiers.cost_model import CostModel
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -17,8 +17,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.common import (RunOptions, Section, backend, build_drafters, build_policy, drafter_path, envelope,
-                                figure, load_prompts, parse_domains, result_row, sampling_config, write_result)
+from dspark.documents import Section, envelope, figure, write_result
+from dspark.engine.workload import backend
+from dspark.sweep import build_policy, result_row
+from experiments.common import (RunOptions, build_drafters, drafter_path, load_prompts, parse_domains,
+                                sampling_config)
 
 
 @dataclass
@@ -28,9 +31,10 @@ class ThresholdOptions:
                                     metadata={"help": "survival thresholds in [0, 1]"})
     domains: dict[str, str] = field(default_factory=dict, metadata={
         "help": "NAME=SOURCE prompt sources per domain (default chat=sharegpt code=humaneval math=champ)"})
-    draft_length: int = field(default=7, metadata={"help": "gamma"})
+    draft_length: int = field(default=7, metadata={"help": "draft length γ: draft tokens proposed per round"})
     concurrency: int = field(default=8, metadata={"help": "requests in flight"})
-    engine: str = field(default="static-batch", metadata={"help": "decode backend (experiments.common)"})
+    engine: str = field(default="static-batch", metadata={
+        "help": "decode backend: continuous or static-batch (dspark.engine.workload)"})
 
 
 def measure(host, run: RunOptions, opts: ThresholdOptions, *, prompts: dict[str, list[list[int]]]) -> list[dict]:

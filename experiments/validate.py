@@ -9,7 +9,7 @@ same host, prompts, drafters and policies, in one process.
 
 Steps, all on this machine:
 1. the SPS(B) table (the verify step with its LM head) and each drafter's propose and observe costs
-   (`experiments.common.cost_table`: profiled here, replayed CUDA graphs on CUDA, unless --cost-table);
+   (`dspark.sweep.cost_table`: profiled here, replayed CUDA graphs on CUDA, unless --cost-table);
 2. per drafter, a verify-all decode of the prompts at the smallest C: its round log is the simulator's trace;
 3. measured: plain decoding and every (drafter, policy) on the slot engine at every C, closed loop, the prompts
    cycled to max(C, --num-prompts) requests;
@@ -43,10 +43,10 @@ from typing import Callable, Optional
 
 import torch
 
-from dspark.engine.workload import warmed
-from experiments.common import (RunOptions, Section, build_drafters, build_policy, check_settings,
-                                continuous_decode, cost_table, drafter_path, envelope, figure, load_prompts,
-                                sampling_config, workload_context, write_result)
+from dspark.documents import Section, envelope, figure, write_result
+from dspark.engine.workload import continuous_decode, warmed
+from dspark.sweep import build_policy, check_settings, cost_table, workload_context
+from experiments.common import RunOptions, build_drafters, drafter_path, load_prompts, sampling_config
 
 NAME = "simulator_validation"
 
@@ -56,8 +56,8 @@ class ValidateOptions:
     drafters: list[str] = field(default_factory=lambda: ["ngram", "dspark"], metadata={
         "help": "drafter names (ngram, dspark, dflash, eagle3, mtp, small-lm); plain decoding is always measured"})
     policies: list[str] = field(default_factory=lambda: ["full", "scheduler"], metadata={
-        "help": "verification policies: full (fixed gamma), threshold, scheduler, lagged"})
-    draft_length: int = field(default=7, metadata={"help": "gamma"})
+        "help": "verification policies: full (every draft), threshold, scheduler, lagged"})
+    draft_length: int = field(default=7, metadata={"help": "draft length γ: draft tokens proposed per round"})
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 64], metadata={"help": "requests in flight"})
     threshold: float = field(default=0.5, metadata={"help": "survival threshold of the 'threshold' policy"})
     cost_table: Optional[str] = field(default=None, metadata={
@@ -86,7 +86,7 @@ def measure(host, run: RunOptions, opts: ValidateOptions, *, prompts: list[list[
     K = opts.draft_length
     drafters = {name: d for (name, _), d in build_drafters(host, opts.drafters, run.drafter_paths, [K]).items()}
     cost = cost_table(host, opts.cost_table, concurrency=opts.concurrency, draft_lengths=[K], out_dir=out_dir,
-                      drafters={(name, K): d for name, d in drafters.items()},
+                      drafters=[(d, K) for d in drafters.values()],
                       context=workload_context(prompts, run.max_new_tokens))
     sampling = sampling_config(run.temperature)
 

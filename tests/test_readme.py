@@ -50,7 +50,8 @@ def test_readme_usage_runs(tmp_path):
     generated = json.loads(outputs["generate"][0])
     assert generated["outputs"][0]["token_ids"] and {"tau", "rounds", "tokens_per_s"} <= set(generated["stats"])
     for name in ("sweep", "sweep-scheduler"):
-        assert {"sweep.json", "sweep.md", "sweep.png"} <= {p.name for p in (tmp_path / "runs" / name).iterdir()}
+        written = {p.name for p in (tmp_path / "runs" / name).iterdir()}  # dspark.sweep's files
+        assert {"concurrency.json", "concurrency.md", "concurrency_throughput.png"} <= written
 
     (snippet,) = blocks("python")
     done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,

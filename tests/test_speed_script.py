@@ -1,4 +1,5 @@
-"""benchmarks/speed.py on the CPU: the script's smoke test (the GPU runs are recorded in benchmarks/RESULTS.md)."""
+"""benchmarks/speed.py and benchmarks/gc_pause.py on the CPU: the scripts' smoke tests (GPU runs write their
+results folders)."""
 from __future__ import annotations
 
 import json
@@ -8,40 +9,39 @@ import pytest
 from conftest import load_script
 
 
-def _script():
-    return load_script("benchmarks/speed.py")
-
-
-def test_speed_writes_the_issue_keys_and_the_cpu_split(tmp_path, capsys):
-    script = _script()
+def test_speed_writes_the_engine_rows_through_dspark_sweep_and_the_hf_comparison(tmp_path, capsys):
+    """The engine rows are dspark.sweep's (one per setting and C, the speculative ones decoding plain decoding's
+    tokens); speed.json holds what that tool lacks, its engine number the sweep's own plain row at C = 1."""
+    script = load_script("benchmarks/speed.py")
     assert script.main(["--device", "cpu", "--host", "random:tiny-llama", "--concurrency", "1", "2",
-                        "--spec-concurrency", "1", "2", "--drafters", "ngram", "--skip-llama8b",
-                        "--max-new-tokens", "6", "--max-prompts", "4", "--compile", "off", "--overlap", "on",
-                        "--repeats", "3", "--out-dir", str(tmp_path)]) == 0
+                        "--drafters", "ngram", "ngram-full", "--skip-llama8b", "--max-new-tokens", "6",
+                        "--num-prompts", "3", "--compile", "off", "--repeats", "2", "--out-dir", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "concurrency.json").read_text())
+    assert doc["experiment"] == "concurrency" and doc["command"].startswith("python benchmarks/speed.py ")
+    rows = doc["rows"]
+    assert sorted((r["method"], r["concurrency"]) for r in rows) == [
+        (m, C) for m in ("ngram", "ngram-full", "plain") for C in (1, 2)]
+    for r in rows:
+        assert r["policy"] == ("none" if r["method"] == "plain" else "full")
+        assert r["draft_length"] == (0 if r["method"] == "plain" else 7)
+        assert r["identical_to_plain"] == 1.0 and r["requests"] == 3
+        assert len(r["tokens_per_s_repeats"]) == 2  # --repeats reaches the sweep
     result = json.loads((tmp_path / "speed.json").read_text())
-    assert result["hf_generate_tok_s"] > 0
-    assert set(result["plain_tok_s"]) == {"1", "2"} and all(v > 0 for v in result["plain_tok_s"].values())
-    ngram = result["speculative"]["ngram"]
-    assert set(ngram["tok_s"]) == set(ngram["tau"]) == {"1", "2"} and all(t >= 1 for t in ngram["tau"].values())
-    for runs in result["runs"].values():
-        for run in runs.values():
-            # the CPU's own time a round: on the CPU nothing is waited for, so it is the whole round
-            assert run["cpu_ms_per_round"] > 0 and run["wait_ms_per_round"] >= 0
-            assert 0 <= run["admit_ms_per_round"] <= run["cpu_ms_per_round"] and run["admissions"] >= 1
-            each = run["admit_ms_per_round"] * run["rounds"] / run["admissions"]  # CPU time an admission took
-            assert run["admit_ms_each"] == pytest.approx(each)
-            expected = run["seconds"] * 1000 / run["rounds"] - run["wait_ms_per_round"]
-            assert run["cpu_ms_per_round"] == pytest.approx(expected)
+    plain = next(r for r in rows if r["method"] == "plain" and r["concurrency"] == 1)
+    assert result["engine_plain_tok_s"] == plain["tokens_per_s"]
+    assert result["drafters"] == {"ngram": "model-free", "ngram-full": "model-free"}
+    assert result["new_tokens"] == 6 and result["draft_length"] == 7
+    assert "hf_custom_generate_error" not in result, result.get("hf_custom_generate_error")
+    for key in ("hf_generate_tok_s", "hf_prompt_lookup_tok_s", "hf_custom_generate_tok_s"):
+        assert result[key] > 0, key
+    assert not any(k.startswith("llama8b") for k in result)  # --skip-llama8b
     out = capsys.readouterr().out
-    assert "| plain | 2 |" in out and "| ngram (model-free) | 1 |" in out
-    # the garbage collections inside each timed loop, counted per generation (dspark.engine.serve.quiet_gc)
-    assert result["environment"]["gc_freeze"] == "on"
-    assert result["environment"]["drafter_admission"] == "captured"
-    for runs in result["runs"].values():
-        for run in runs.values():
-            assert run["gc_ms"] >= 0 and len(run["gc_collections"]) == 3
-            # three timed decodes, the row the median one by tokens/s
-            assert len(run["tok_s_repeats"]) == 3 and run["tok_s"] == sorted(run["tok_s_repeats"])[1]
+    assert f"| dspark slot engine, plain (concurrency.json) | {plain['tokens_per_s']:.1f} |" in out
+
+
+def test_speed_refuses_zero_repeats(tmp_path):
+    with pytest.raises(SystemExit):
+        load_script("benchmarks/speed.py").main(["--device", "cpu", "--repeats", "0", "--out-dir", str(tmp_path)])
 
 
 def test_gc_pause_script_runs_each_setting_in_its_own_process(tmp_path):
@@ -52,6 +52,6 @@ def test_gc_pause_script_runs_each_setting_in_its_own_process(tmp_path):
     doc = json.loads(path.read_text())
     assert sorted(r["freeze"] for r in doc["rows"]) == ["off", "on"]
     for row in doc["rows"]:
-        assert row["gc_ms"] >= 0 and row["gen2"] >= 0 and row["objects"] > 0 and row["full_collect_ms"] > 0
+        assert row["new_tokens"] == 3 and {"gc_ms", "gen0", "gen1", "gen2", "full_collect_ms"} <= set(row)
     assert doc["command"].startswith("python benchmarks/gc_pause.py") and doc["environment"]["torch"]
     assert "| 0 | on | 3 |" in (tmp_path / "gc_pause.md").read_text()

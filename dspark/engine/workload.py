@@ -1,6 +1,10 @@
-"""The closed-loop workload runner: C requests in flight from a prompt list, as serving benchmarks run with a
-maximum concurrency. A request enters as soon as one leaves (dspark.engine.serve); per request it records the time
-to first token, the end-to-end latency and tokens/s, per round the number of requests in flight.
+"""How a timed decode feeds its requests to the slot engine, and the prompts it can take without a data set.
+
+Two ways of loading the engine with C requests (DECODE_BACKENDS, by name): "continuous" keeps C in flight, a queued
+request entering as soon as one stops (a closed loop, as serving benchmarks run with a maximum concurrency);
+"static-batch" runs the prompts in successive static batches of C (a batch's finished requests are not replaced,
+so the load falls inside a batch). `warmed` puts an untimed decode of the same cache in front of either on CUDA.
+PROMPTS: six MT-Bench first turns, the built-in prompt set of `dspark bench`.
 
 Shapes: n requests, C concurrency.
 """
@@ -10,6 +14,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from dspark.engine.decode import generate
+from dspark.engine.results import GenerationResult
 from dspark.engine.sampling import SamplingConfig
 
 T = TypeVar("T")
@@ -30,46 +36,36 @@ PROMPTS = [  # first turns of six MT-Bench questions (writing, roleplay, reasoni
 ]
 
 
-def run_workload(host, prompts: list[list[int]], *, concurrency: int, drafter=None, verifier=None,
-                 draft_length: int = 7, max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),
-                 seed: int = 0, graphs: bool | None = None, timing: bool = False) -> dict:
-    """Decode `prompts` keeping `concurrency` in flight; a JSON-ready summary with per-request rows."""
-    from dspark.engine.decode import generate
+def continuous_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
+                      max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                      timing: bool = False) -> GenerationResult:
+    """Closed loop on the slot engine: `concurrency` requests in flight, a queued one entering as soon as one
+    stops. `timing`: the device seconds of each round stage (CUDA events)."""
+    return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
+                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency,
+                    timing=timing)
 
-    out = generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
-                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, concurrency=concurrency,
-                   graphs=graphs, timing=timing)
-    accepted = out.log.column("accepted").float()
-    in_flight = out.engine["in_flight"]
-    C = max(1, min(concurrency, len(prompts)))
-    # the queue runs dry at the last round that still had every slot busy
-    dry = max((i for i, c in enumerate(in_flight) if c == C), default=-1) + 1
-    requests = [{"ttft_s": t, "latency_s": s, "new_tokens": len(ids), "tokens_per_s": len(ids) / s if s > 0 else None}
-                for t, s, ids in zip(out.ttft, out.latency, out.token_ids)]
-    return {
-        "concurrency": concurrency,
-        "requests": len(prompts),
-        "new_tokens": sum(len(t) for t in out.token_ids),
-        "seconds": out.seconds,
-        "tokens_per_s": sum(len(t) for t in out.token_ids) / out.seconds if out.seconds > 0 else None,
-        "tau": float((accepted + 1).mean()) if len(accepted) else None,
-        "rounds": out.rounds,
-        "admissions": out.batches,
-        "mean_in_flight": sum(in_flight) / len(in_flight) if in_flight else 0.0,
-        "in_flight_until_dry": sum(in_flight[:dry]) / (C * dry) if dry else None,
-        "ttft_s_mean": sum(out.ttft) / len(out.ttft),
-        "latency_s_mean": sum(out.latency) / len(out.latency),
-        "graphs": out.engine["graphs"],
-        "prefill_graphs": out.engine["prefill_graphs"],
-        "admit_s": out.engine["admit_s"],
-        "gc_s": out.engine["gc_s"],  # Python's garbage collections inside the loop (dspark.engine.serve.quiet_gc)
-        "gc_collections": out.engine["gc_collections"],
-        "warmup_s": out.engine["warmup_s"],
-        "stage_s": out.engine["stage_s"],
-        "overlapped": out.engine["overlapped"],  # rounds launched before the last one was committed (CUDA)
-        "in_flight": in_flight,
-        "per_request": requests,
-    }
+
+def static_batch_decode(host, prompts, *, drafter, verifier, draft_length: int, concurrency: int,
+                        max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                        timing: bool = False) -> GenerationResult:
+    """Static batches of `concurrency` requests: each batch is admitted at once and a request that stops early is
+    not replaced (not continuous batching)."""
+    return generate(host, prompts, drafter=drafter, verifier=verifier, draft_length=draft_length,
+                    max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=concurrency,
+                    timing=timing)
+
+
+#: engine name -> decode function
+DECODE_BACKENDS: dict[str, Callable[..., GenerationResult]] = {"continuous": continuous_decode,
+                                                               "static-batch": static_batch_decode}
+
+
+def backend(name: str) -> Callable[..., GenerationResult]:
+    """The decode function of DECODE_BACKENDS named `name`."""
+    if name not in DECODE_BACKENDS:
+        raise ValueError(f"unknown engine {name!r}; choose one of {sorted(DECODE_BACKENDS)}")
+    return DECODE_BACKENDS[name]
 
 
 def warm_up_prompts(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
@@ -85,26 +81,12 @@ def warmed(decode: Callable[..., T]) -> Callable[..., T]:
     same setting and cache: C requests (warm_up_prompts) with the same new-token budget. The first decode of a
     setting at a new C otherwise pays first-use costs (kernel selection, allocator growth, lazy inits) inside its
     timed window; the cache is sized by the longest prompt plus the budget, so a shorter warm-up leaves the timed
-    decode to grow the allocator at its first admission (on the H100, 2026-12-07: plain decoding at C = 64 spent
-    0.11 s admitting against 0.02 s for the setting timed after it, with an 8-token warm-up). The CUDA graphs it
-    captures are per decode and already left out of the timing (their warm-up is subtracted). `dspark bench` and
-    the experiment runners time their rows through it."""
+    decode to grow the allocator at its first admission, and whichever setting is timed first at a C pays for it.
+    The CUDA graphs it captures are per decode and already left out of the timing (their warm-up is subtracted).
+    dspark.sweep times every row through it."""
     def run(host, prompts, *, concurrency: int, max_new_tokens: int, **kw) -> T:
         if torch.device(host.device).type == "cuda" and prompts:
             decode(host, warm_up_prompts(prompts, concurrency), concurrency=concurrency,
                    max_new_tokens=max_new_tokens, **kw)
         return decode(host, prompts, concurrency=concurrency, max_new_tokens=max_new_tokens, **kw)
     return run
-
-
-def bench(host, prompts: list[list[int]], methods: dict, concurrencies: list[int], *, max_new_tokens: int = 128,
-          **kwargs) -> list[dict]:
-    """One run_workload row per (method, concurrency); methods maps a name to a drafter (None = plain); each row
-    `warmed`."""
-    rows = []
-    for name, drafter in methods.items():
-        for C in concurrencies:
-            row = warmed(run_workload)(host, prompts, concurrency=C, drafter=drafter, max_new_tokens=max_new_tokens,
-                                       **kwargs)
-            rows.append({"method": name, **row})
-    return rows
