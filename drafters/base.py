@@ -21,7 +21,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # (B, T) long/bool
     document_ids: torch.Tensor  # (B, T) long: packed documents never see each other
     features: torch.Tensor | None  # (B, T, F) host taps of the drafter's feature_layers, or None
-    host_logits: torch.Tensor  # (B, T, V) float
+    host_logits: torch.Tensor  # (B, T, V) float: the host's dtype (fused loss) or float32 (reference loss)
     generator: torch.Generator | None = None  # for anchor sampling, so resumed runs repeat exactly
     # (B,) long: keys each row's anchor noise (counter-based, dspark.engine.sampling) so that a row samples the same
     # anchors whatever batch, process or padding it is in (N processes x B rows = 1 process x N*B rows); wins over

@@ -36,8 +36,8 @@ from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import (InjectionStack, LayerShape, RMSNorm, block_training_mask, cached_block_mask,
                              sparse_training_attention)
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import (checkpointed_chunks, chunk_rows, confidence_bce, distill_terms, per_position_mean,
-                             position_weights, weight_total, weighted_mean)
+from drafters.losses import (LossRows, checkpointed_chunks, chunk_rows, confidence_bce, distill_terms, fused_distill,
+                             per_position_mean, position_weights, row_weights, weight_total, weighted_mean)
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache, aligned_length
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -102,7 +102,7 @@ def dflash_config(**overrides) -> DSparkConfig:
 
 @dataclass
 class HeadStep:
-    bias: torch.Tensor | None  # (..., V) B_k; None for head "none"
+    u: torch.Tensor | None  # (..., r) the head's output, B_k = W2 u; None for head "none"
     conf_logit: torch.Tensor | None  # (...,) logit of c_k; None without confidence
     state: torch.Tensor | None  # (..., r) RNN state s_k; None for the other heads
 
@@ -154,6 +154,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         self.cache: KVCache | None = None
         # training attention: None = sparse_training_attention decides per call; True / False force it (tests)
         self.sparse_attention: bool | None = None
+        self.loss_impl = "fused"  # training loss: losses.LOSS_IMPLS (TrainConfig.loss_impl)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,29 +164,33 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None,
                   conf_hidden: torch.Tensor | None = None) -> HeadStep:
-        """One position k: B_k and c_k from x_{k-1} (...,) and the backbone hidden h_k (..., H). conf_hidden: h_k's
-        part of the confidence logit with the bias (`confidence_hidden`), computed beforehand for every k."""
+        """One position k: the input u_k of B_k = W2 u_k and c_k from x_{k-1} (...,) and the backbone hidden h_k
+        (..., H). conf_hidden: h_k's part of the confidence logit with the bias (`confidence_hidden`), computed
+        beforehand for every k."""
         cfg = self.config
         e = None if cfg.head == "none" else self.W1(prev)  # (..., r) W1[x_{k-1}]
-        bias = None
+        u = None
         if cfg.head == "markov":
-            bias = self.W2(e)  # (..., V)
+            u = e
         elif cfg.head == "gated":
-            g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))  # (..., r)
-            bias = self.W2(g * e)
+            u = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1))) * e  # (..., r)
         elif cfg.head == "rnn":
             if state is None:
                 state = h.new_zeros(h.shape[:-1] + (cfg.rank,))  # s_0 = 0
             g, c, o = self.rnn(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)  # (..., r) each
             state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
-            bias = self.W2(torch.tanh(o))
+            u = torch.tanh(o)
         conf = None
         if cfg.confidence and conf_hidden is not None:  # the same linear map, split: h's part given, e's added
             w_e = self.confidence_head.weight[0, h.shape[-1]:]  # (r,)
             conf = conf_hidden if e is None else conf_hidden + (e * w_e).sum(-1)
         elif cfg.confidence:
             conf = self.confidence_head(h if e is None else torch.cat([h, e], dim=-1)).squeeze(-1)  # (...,)
-        return HeadStep(bias=None if bias is None else bias.float(), conf_logit=conf, state=state)
+        return HeadStep(u=u, conf_logit=conf, state=state)
+
+    def head_bias(self, u: torch.Tensor) -> torch.Tensor:
+        """B_k = W2 u_k: (..., r) -> float32 (..., V)."""
+        return self.W2(u).float()
 
     def confidence_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The hidden states' part of the confidence logits, bias included: h (..., H) -> (...,). why split off in
@@ -251,7 +256,7 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         # why a Python loop: x_k depends on the sampled x_{k-1}; each step is only the head (K small)
         for k in range(K):
             step = self.head_step(prev, h[:, k], s, None if conf_h is None else conf_h[:, k])
-            logits = U[:, k] if step.bias is None else U[:, k] + step.bias  # (B, V)
+            logits = U[:, k] if step.u is None else U[:, k] + self.head_bias(step.u)  # (B, V)
             if greedy:
                 prev = argmax(logits)
             else:
@@ -294,15 +299,20 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         """Teacher-forced q logits (..., S, V) and confidence logits of blocks from their backbone hidden states
         h (..., S, H) and previous tokens prev (..., S)."""
         U = self.shared.logits(h)  # (..., S, V)
-        biases, confs, s = [], [], None
+        u, conf = self.head_inputs(h, prev)
+        return BlockLogits(q_logits=U if u is None else U + self.head_bias(u), conf_logits=conf)
+
+    def head_inputs(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Teacher-forced head outputs u (..., S, r) (B_k = W2 u_k; None for head "none") and confidence logits
+        (..., S) (None without confidence) of blocks from h (..., S, H) and prev (..., S)."""
+        us, confs, s = [], [], None
         for j in range(self.config.block_size):  # why a loop: the RNN state is sequential; S is small, the heads cheap
             step = self.head_step(prev[..., j], h[..., j, :], s)
-            biases.append(step.bias)
+            us.append(step.u)
             confs.append(step.conf_logit)
             s = step.state
-        q_logits = U if biases[0] is None else U + torch.stack(biases, dim=-2)
-        conf = torch.stack(confs, dim=-1) if self.config.confidence else None  # (..., S)
-        return BlockLogits(q_logits=q_logits, conf_logits=conf)
+        u = None if us[0] is None else torch.stack(us, dim=-2)
+        return u, torch.stack(confs, dim=-1) if self.config.confidence else None
 
     def block_logits(self, *, input_ids: torch.Tensor, features: torch.Tensor, document_ids: torch.Tensor,
                      anchors: torch.Tensor) -> BlockLogits:
@@ -323,6 +333,24 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         terms = distill_terms(out.q_logits, p_logits, targets[:, start:stop])
         return terms.ce, terms.tv, terms.accept, out.conf_logits
 
+    def _fused_loss(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, targets: torch.Tensor,
+                    coef: torch.Tensor, host_logits: torch.Tensor) -> tuple:
+        """ce_weight·L_ce + tv_weight·L_tv of every block through losses.fused_distill, from h (B, A, S, H), prev,
+        slot, targets and each entry's share of the weighted mean coef (B, A, S); with the per-entry ce, tv and c*
+        (B, A, S), detached, and the confidence logits (B, A, S) or None."""
+        cfg = self.config
+        u, conf = self.head_inputs(h, prev)
+        B, T, _ = host_logits.shape
+        rows = LossRows(host_logits=host_logits.flatten(0, 1),
+                        host_rows=(slot + T * torch.arange(B, device=slot.device).view(B, 1, 1)).flatten(),
+                        ce_coef=(cfg.ce_weight * coef).flatten(), tv_coef=(cfg.tv_weight * coef).flatten(),
+                        targets=targets.flatten())
+        terms = fused_distill(h.flatten(0, 2), self.shared.lm_head.weight, rows,
+                              bias_input=None if u is None else u.flatten(0, 2),
+                              bias_weight=None if u is None else self.W2.weight)
+        return (terms.loss, terms.ce.view(slot.shape), terms.tv.view(slot.shape), terms.accept.view(slot.shape),
+                conf)
+
     def training_loss(self, batch: TrainBatch) -> TrainOutput:
         """L = ce_weight·L_ce + tv_weight·L_tv + conf_weight·L_conf over randomly anchored blocks."""
         cfg, block_size = self.config, self.config.block_size
@@ -342,15 +370,19 @@ class DSparkDrafter(Checkpointable, nn.Module, Drafter):
         # a block stops at the end of its response / document: later slots are never drafted there
         valid = (in_range & same_doc & response).long().cumprod(2).bool() & anchor_ok.unsqueeze(2)
         targets = batch.input_ids.gather(1, target.flatten(1)).view(B, A, block_size)  # x*_k
-        # why chunks of blocks under checkpointing (losses.py): the (B, A, S, V) logits, log q, q, p and q - p of
-        # all blocks at once would be kept for backward (several GB at 2048 tokens x 512 anchors)
-        ce_terms, tv_terms, accept, conf_logits = checkpointed_chunks(
-            partial(self._block_terms, h, prev, slot, targets, batch.host_logits), A,
-            chunk_rows(B * block_size * V, device=h.device))
-
         w = position_weights(block_size, decay=cfg.decay, device=anchors.device)
-        ce, tv = weighted_mean(ce_terms, w, valid), weighted_mean(tv_terms, w, valid)
-        loss = cfg.ce_weight * ce + cfg.tv_weight * tv
+        if self.loss_impl == "reference":
+            # why chunks of blocks under checkpointing (losses.py): the (B, A, S, V) logits, log q, q, p and q - p
+            # of all blocks at once would be kept for backward (several GB at 2048 tokens x 512 anchors)
+            ce_terms, tv_terms, accept, conf_logits = checkpointed_chunks(
+                partial(self._block_terms, h, prev, slot, targets, batch.host_logits), A,
+                chunk_rows(B * block_size * V, device=h.device))
+            ce, tv = weighted_mean(ce_terms, w, valid), weighted_mean(tv_terms, w, valid)
+            loss = cfg.ce_weight * ce + cfg.tv_weight * tv
+        else:
+            loss, ce_terms, tv_terms, accept, conf_logits = self._fused_loss(h, prev, slot, targets,
+                                                                             row_weights(w, valid), batch.host_logits)
+            ce, tv = weighted_mean(ce_terms, w, valid), weighted_mean(tv_terms, w, valid)  # detached: metrics
         parts = {"ce": ce, "tv": tv}
         if cfg.confidence:
             parts["conf"] = weighted_mean(confidence_bce(conf_logits, accept), w, valid)

@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import MLP, LayerShape, RMSNorm
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import checkpointed_chunks, chunk_rows, per_position_mean, weight_total, weighted_mean
+from drafters.losses import (LossRows, checkpointed_chunks, chunk_rows, fused_distill, per_position_mean,
+                             row_weights, weight_total, weighted_mean)
 from dspark.engine.attention import grouped_attention, pack_mask
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
@@ -176,6 +177,7 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         self.to(device=host.device)
         self.cache: KVCache | None = None
         self.last_hidden: torch.Tensor | None = None  # (B, H) layer output at the last observed position
+        self.loss_impl = "fused"  # training loss: losses.LOSS_IMPLS (TrainConfig.loss_impl)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -345,6 +347,20 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
             accept = 1 - 0.5 * (log_q.exp() - p).abs().sum(-1)
         return ce, accept
 
+    def _fused_step(self, g: torch.Tensor, host_logits: torch.Tensor, j: int,
+                    coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step j's share of the loss through losses.fused_distill, and its soft cross-entropy and c* (B, n),
+        detached, from its layer outputs g (B, n, H) and each index's coefficient coef (B, n): index i's target is
+        the host's distribution at i+1+j, over the draft vocabulary when there is one (as `_step_terms`)."""
+        B, n, _ = g.shape
+        T = host_logits.shape[1]
+        host_rows = (torch.arange(n, device=g.device) + 1 + j + T * torch.arange(B, device=g.device).view(B, 1))
+        rows = LossRows(host_logits=host_logits.flatten(0, 1), host_rows=host_rows.flatten(), ce_coef=coef.flatten(),
+                        vocab_index=self.d2t if self.config.draft_vocab else None)
+        head = self.draft_head.weight if self.config.draft_vocab else self.shared.lm_head.weight
+        terms = fused_distill(self.norm(g).flatten(0, 1), head, rows)
+        return terms.loss, terms.ce.view(B, n), terms.accept.view(B, n)
+
     def training_loss(self, batch: TrainBatch) -> TrainOutput:
         """Training-time test: soft cross-entropy of each unrolled step j against the host's full distribution of
         the token it predicts, weighted step_decay**j, on response tokens. TrainOutput.acceptance: (S,) mean
@@ -353,25 +369,32 @@ class Eagle3Drafter(Checkpointable, nn.Module, Drafter):
         T, S = ids.shape[1], self.config.ttt_length
         mask = batch.loss_mask.bool()
         B, V = ids.shape[0], batch.host_logits.shape[-1]
-        rows = chunk_rows(B * V, device=ids.device)
-        ce, accept, valid = [], [], []
-        for j, g in enumerate(self.ttt_hidden(ids, batch.features, doc)):
-            n = max(T - 1 - j, 0)  # indices i whose host distribution host_logits[:, i+1+j] exists
-            # why chunks under checkpointing (losses.py): autograd would otherwise keep a (B, T, V) log q per step,
-            # S of them, until backward. why partial, not a lambda: backward calls it again, after g and j moved on
-            step_ce, step_accept = checkpointed_chunks(
-                partial(self._step_terms, g, batch.host_logits[:, 1 + j:]), n, rows) if n else \
-                (g.new_zeros(B, 0, dtype=torch.float32),) * 2  # (B, n) each
-            ce.append(F.pad(step_ce, (0, T - n)))  # (B, T)
-            accept.append(F.pad(step_accept, (0, T - n)))
-            # the predicted token i+2+j exists, is a response token and lies in index i's document
-            valid.append(F.pad(mask[:, 2 + j:], (0, 2 + j))
-                         & (F.pad(doc[:, 2 + j:], (0, 2 + j), value=-1) == doc))  # (B, T)
-        ce, accept, valid = torch.stack(ce, -1), torch.stack(accept, -1), torch.stack(valid, -1)  # (B, T, S)
+        # the predicted token i+2+j exists, is a response token and lies in index i's document
+        valid = torch.stack([F.pad(mask[:, 2 + j:], (0, 2 + j))
+                             & (F.pad(doc[:, 2 + j:], (0, 2 + j), value=-1) == doc) for j in range(S)], -1)  # (B, T, S)
         # why a weighted mean (losses.py) rather than EAGLE-3's plain sum of per-step means: the same step weights,
         # a scale that does not depend on S or on how many tokens a batch has
         weights = self.config.step_decay ** torch.arange(S, device=ids.device, dtype=torch.float32)  # (S,)
-        loss = weighted_mean(ce, weights, valid)
+        coef = row_weights(weights, valid)  # (B, T, S)
+        rows = chunk_rows(B * V, device=ids.device)
+        ce, accept, fused_loss = [], [], torch.zeros((), device=ids.device)
+        for j, g in enumerate(self.ttt_hidden(ids, batch.features, doc)):
+            n = max(T - 1 - j, 0)  # indices i whose host distribution host_logits[:, i+1+j] exists
+            if not n:
+                step_ce = step_accept = g.new_zeros(B, 0, dtype=torch.float32)
+            elif self.loss_impl == "reference":
+                # why chunks under checkpointing (losses.py): autograd would otherwise keep a (B, T, V) log q per
+                # step, S of them, until backward. why partial, not a lambda: backward calls it again, after g and j
+                # moved on
+                step_ce, step_accept = checkpointed_chunks(
+                    partial(self._step_terms, g, batch.host_logits[:, 1 + j:]), n, rows)  # (B, n) each
+            else:
+                step_loss, step_ce, step_accept = self._fused_step(g[:, :n], batch.host_logits, j, coef[:, :n, j])
+                fused_loss = fused_loss + step_loss
+            ce.append(F.pad(step_ce, (0, T - n)))  # (B, T)
+            accept.append(F.pad(step_accept, (0, T - n)))
+        ce, accept = torch.stack(ce, -1), torch.stack(accept, -1)  # (B, T, S)
+        loss = weighted_mean(ce, weights, valid) if self.loss_impl == "reference" else fused_loss
         per_step = per_position_mean(ce, valid)  # (S,)
         metrics = {"ce": float(loss.detach())} | {f"ce_{j}": float(per_step[j]) for j in range(S)}
         return TrainOutput(loss=loss, metrics=metrics, acceptance=per_position_mean(accept, valid),

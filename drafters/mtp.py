@@ -22,7 +22,8 @@ import torch.nn as nn
 from drafters.base import TrainBatch, TrainOutput
 from drafters.blocks import InjectionStack, LayerShape, RMSNorm, cached_context, causal_mask, inference_mask
 from drafters.checkpoint import Checkpointable, HostFields, with_host
-from drafters.losses import distill_terms, per_position_mean, weight_total, weighted_mean
+from drafters.losses import (DistillTerms, LossRows, distill_terms, fused_distill, per_position_mean, row_weights,
+                             weight_total, weighted_mean)
 from dspark.engine.host import document_positions
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.protocol import DraftState, Drafter, Proposal
@@ -65,6 +66,7 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         self.to(device=host.device)
         self.cache: KVCache | None = None
         self.last: torch.Tensor | None = None  # (B, H) u at the last observed position of each row
+        self.loss_impl = "fused"  # training loss: losses.LOSS_IMPLS (TrainConfig.loss_impl)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -132,14 +134,25 @@ class MTPDrafter(Checkpointable, nn.Module, Drafter):
         u = self.inputs(ids[:, 1:n + 1], batch.features[:, :n])  # (B, n, H)
         cos, sin = self.shared.rotary(u, document_positions(doc)[:, :n])
         h = self.block(u, cos=cos, sin=sin, context=None, mask=causal_mask(doc[:, :n], dtype=u.dtype))
-        q_logits = self.shared.logits(h)  # (B, n, V)
         # host_logits[t] targets token t+1, so p for x_{i+2} is at i+1; a target across a document edge is no target
-        terms = distill_terms(q_logits.unsqueeze(2), batch.host_logits[:, 1:n + 1].unsqueeze(2),
-                              ids[:, 2:].unsqueeze(2))  # (B, n, 1)
         valid = (batch.loss_mask[:, 2:].bool() & (doc[:, 2:] == doc[:, :n])).unsqueeze(2)  # (B, n, 1)
         w = torch.ones(1, device=ids.device)
-        ce, tv = weighted_mean(terms.ce, w, valid), weighted_mean(terms.tv, w, valid)
-        loss = cfg.ce_weight * ce + cfg.tv_weight * tv
+        if self.loss_impl == "reference":
+            terms = distill_terms(self.shared.logits(h).unsqueeze(2), batch.host_logits[:, 1:n + 1].unsqueeze(2),
+                                  ids[:, 2:].unsqueeze(2))  # (B, n, 1)
+            ce, tv = weighted_mean(terms.ce, w, valid), weighted_mean(terms.tv, w, valid)
+            loss = cfg.ce_weight * ce + cfg.tv_weight * tv
+        else:
+            B, T = ids.shape
+            coef = row_weights(w, valid).flatten()  # (B*n,)
+            host_rows = torch.arange(1, n + 1, device=ids.device) + T * torch.arange(B, device=ids.device).view(B, 1)
+            terms = fused_distill(h.flatten(0, 1), self.shared.lm_head.weight, LossRows(
+                host_logits=batch.host_logits.flatten(0, 1), host_rows=host_rows.flatten(),
+                ce_coef=cfg.ce_weight * coef, tv_coef=cfg.tv_weight * coef, targets=ids[:, 2:].flatten()))
+            loss = terms.loss
+            terms = DistillTerms(ce=terms.ce.view(B, n, 1), tv=terms.tv.view(B, n, 1),
+                                 accept=terms.accept.view(B, n, 1))  # detached
+            ce, tv = weighted_mean(terms.ce, w, valid), weighted_mean(terms.tv, w, valid)
         acceptance = per_position_mean(terms.accept, valid)  # (1,)
         parts = {"ce": ce, "tv": tv, "loss": loss, "acceptance": acceptance[0]}
         values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one sync for all metrics

@@ -62,7 +62,7 @@ from drafters.base import TrainBatch, TrainOutput
 from dspark.config import from_dict, parse, to_dict
 from dspark.engine.acceptance import expected_tau
 from dspark.engine.host import Host
-from dspark.engine.jsonio import write_json_atomic
+from dspark.engine.jsonio import dumps, write_json_atomic
 from dspark.engine.models import load_host
 from dspark.engine.runtime import tune_cpu_allocator
 from dspark.training.data import HELDOUT_FRACTION, TokenizedChat, collate, iter_tokenized, load_conversations, pack
@@ -85,7 +85,13 @@ class TrainConfig:
         "help": "host model: smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, random:<shape>, a path or hub id"})
     drafter: Literal["dspark", "dflash", "eagle3", "mtp"] = field(default="dspark", metadata={"help": "drafter kind"})
     drafter_args: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "drafter overrides passed to build_drafter, e.g. --drafter-args num_layers=3 block_size=7 head=rnn"})
+        "help": "drafter overrides passed to build_drafter, e.g. --drafter-args num_layers=3 block_size=7 head=rnn. "
+                "DSpark / DFlash max_anchors (blocks per training row; default 512, DeepSpec's, 40 on a CPU): the GPU "
+                "recipes (experiments/recipes/*-dspark.yaml, *-dflash.yaml) use 1024 on 2048-token rows, half the "
+                "row's positions, since every anchor trains block_size more slots from the same host forward (more "
+                "supervision per host token; held-out tau grows with it, benchmarks/results/cpu/anchor_ablation.md) "
+                "at a cost linear in anchors (the drafter's layers and loss over anchors x block_size slots: "
+                "benchmarks/results/training/)"})
     data: str = field(default="sharegpt", metadata={
         "help": "conversations: sharegpt, humaneval, a .jsonl[.gz] file, a saved datasets dir; or synthetic[:N] "
                 "(random-token documents, ONLY for tests and cost runs on random hosts without a tokenizer)"})
@@ -124,6 +130,13 @@ class TrainConfig:
         "help": "tracker besides metrics.jsonl (wandb runs offline unless WANDB_MODE is set)"})
     project: str = field(default="dspark", metadata={"help": "tracker project name"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast with fp32 master weights (GPU only)"})
+    loss_impl: Literal["fused", "reference"] = field(default="fused", metadata={
+        "help": "the drafter's training loss: fused (the LM head, loss and its gradient in chunks of rows, bf16 GEMMs "
+                "with float32 accumulation, never a float32 rows x vocabulary tensor; drafters/losses.py) or "
+                "reference (float32 logits in checkpointed chunks, what the fused one is tested against)"})
+    compile_layers: bool = field(default=False, metadata={
+        "help": "torch.compile the drafter's RMSNorm and MLP modules (CUDA only; fuses their elementwise ops; "
+                "benchmarks/results/training/ has its measured effect)"})
     sparse_attention: bool = field(default=True, metadata={
         "help": "DSpark / DFlash block training through a flex-attention BlockMask where it applies (CUDA, bf16, "
                 "triton; the same keys, fewer FLOPs); false = the dense mask everywhere (= DSPARK_SPARSE_ATTENTION=0)"})
@@ -179,10 +192,15 @@ def step_memory(cfg: TrainConfig, host: Host, drafter, *, element_size: int, spa
     chunk of the vocabulary-sized loss (drafters/losses.py); DSpark / DFlash with the dense block mask: each backbone
     layer's attention probabilities over A*S block queries x (T + A*S) keys (S = block_size), kept for backward;
     EAGLE-3: each unrolled step's (B, N, T, T + j) scores and probabilities."""
-    from drafters.losses import loss_chunk_elements
+    from drafters.losses import FUSED_CHUNK_ELEMENTS_CUDA, loss_chunk_elements
 
     B, T, N, V = cfg.batch_size, cfg.seq_len, host.num_heads, host.vocab_size
-    total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(loss_chunk_elements(device), B * T * V) * 4
+    if cfg.loss_impl == "fused":  # the host's logits in the host's dtype, a chunk's logits and bias in the compute one
+        chunk = min(FUSED_CHUNK_ELEMENTS_CUDA if torch.device(device or "cpu").type == "cuda" else
+                    loss_chunk_elements(device), B * T * V)
+        total = B * T * V * element_size + 2 * B * N * T * T * 4 + 2 * chunk * element_size
+    else:
+        total = B * T * V * 4 + 2 * B * N * T * T * 4 + 6 * min(loss_chunk_elements(device), B * T * V) * 4
     config = getattr(drafter, "config", None)
     if drafter.kind == "dspark" and not sparse:
         slots = min(config.max_anchors, T) * config.block_size
@@ -320,12 +338,14 @@ class Objective(torch.nn.Module):
 
 
 def make_batch(host: Host, rows: list[TokenizedChat], *, taps: tuple[int, ...], device: torch.device,
-               pad_token_id: int, anchor_seeds: torch.Tensor | None, autocast) -> TrainBatch:
-    """Collate rows and run the frozen host once: features (B, T, F) and host_logits (B, T, V)."""
+               pad_token_id: int, anchor_seeds: torch.Tensor | None, autocast,
+               loss_impl: str = "fused") -> TrainBatch:
+    """Collate rows and run the frozen host once: features (B, T, F) and host_logits (B, T, V), in the host's dtype
+    for the fused loss (bf16 on a GPU: the values the reference's float32 copy holds), float32 for the reference."""
     chat = collate(rows, pad_token_id=pad_token_id).to(device)
     with torch.no_grad(), autocast():
         out = host.forward(chat.input_ids, document_ids=chat.document_ids, taps=taps)
-        host_logits = host.logits(out.hidden)  # (B, T, V) float32
+        host_logits = host.lm_head(out.hidden) if loss_impl == "fused" else host.logits(out.hidden)  # (B, T, V)
     return TrainBatch(input_ids=chat.input_ids, loss_mask=chat.loss_mask, document_ids=chat.document_ids,
                       features=out.features, host_logits=host_logits, anchor_seeds=anchor_seeds)
 
@@ -463,7 +483,7 @@ def log_metrics(record: dict, *, accelerator: Accelerator, metrics_file: Path) -
     if not accelerator.is_main_process:
         return
     with metrics_file.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+        fh.write(dumps(record) + "\n")  # strict JSON: a NaN loss is written null
     scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
     prefix = "eval/" if record.get("kind") == "eval" else "train/"
     for k, a in enumerate(record.get("acceptance", []), start=1):
@@ -492,7 +512,7 @@ def _truncate_metrics(metrics_file: Path, step: int) -> None:
     """Keep only records up to `step` (a killed run may have logged past its last checkpoint)."""
     kept = [r for r in read_metrics(metrics_file) if r["step"] <= step]
     staging = metrics_file.with_suffix(".jsonl.tmp")
-    staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    staging.write_text("".join(dumps(r) + "\n" for r in kept))
     os.replace(staging, metrics_file)
 
 
@@ -512,7 +532,7 @@ def plot_curve(metrics_file: Path, path: Path) -> None:
             ax_loss.plot(steps, [r["loss"] for r in rows], style, label=kind, markersize=3)
             ax_tau.plot(steps, [r["tau"] for r in rows], style, label=kind, markersize=3)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
-    ax_tau.set(xlabel="step", ylabel="expected tau (teacher-forced)", title="1 + sum_k prod_{i<=k} acc_i")
+    ax_tau.set(xlabel="step", ylabel="τ (teacher-forced)", title="τ: expected tokens a round, the bonus one included")
     for ax in (ax_loss, ax_tau):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -601,6 +621,23 @@ def init_layers_from_host(drafter, host: Host) -> None:
                 f"; left out (no counterpart): {', '.join(dropped)}" if dropped else "")
 
 
+def make_optimizer(params: list, *, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters. why fused on CUDA: one kernel for every parameter's update instead of
+    a multi-tensor loop's several (the optimizer stage of a DSpark step on the Qwen2.5-Coder-1.5B shape:
+    benchmarks/results/training/)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
+
+
+def compile_layers(drafter) -> None:
+    """TrainConfig.compile_layers: torch.compile every RMSNorm and MLP module of the drafter in place (the state
+    dict keeps its names)."""
+    from drafters.blocks import MLP, RMSNorm
+
+    for module in drafter.modules():
+        if isinstance(module, (MLP, RMSNorm)):
+            module.compile()
+
+
 def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, accelerator: Accelerator) -> Run:
     """Host, drafter (fresh, or the checkpoint's weights when resuming), data order, optimizer and schedule."""
     from drafters import build_drafter, load_drafter
@@ -623,6 +660,9 @@ def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, acceler
     drafter.to(device)
     if not cfg.sparse_attention and hasattr(drafter, "sparse_attention"):
         drafter.sparse_attention = False
+    drafter.loss_impl = cfg.loss_impl
+    if cfg.compile_layers and device.type == "cuda":
+        compile_layers(drafter)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     # why fp32: these are the master weights; autocast does the bf16 compute
     bad = [n for n, p in drafter.named_parameters() if p.requires_grad and p.dtype != torch.float32]
@@ -661,7 +701,7 @@ def setup(cfg: TrainConfig, host: Host | None, resume_from: Path | None, acceler
     steps_per_epoch = order.per_epoch // cfg.grad_accum
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
 
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, device=device)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total), total)
     return Run(cfg=cfg, output=Path(cfg.output), accelerator=accelerator, host=host, drafter=drafter,
                trainable=trainable, taps=taps, pad_token_id=pad_token_id, order=order, train_rows=train_rows,
@@ -731,7 +771,8 @@ def train_step(run: Run, step: int) -> dict:
         rows = [run.train_rows[i] for i in indices]
         first = (micro * world + rank) * cfg.batch_size  # this process's first place in the global row order
         batch = make_batch(run.host, rows, taps=run.taps, device=run.device, pad_token_id=run.pad_token_id,
-                           autocast=run.autocast, anchor_seeds=_anchor_seeds(cfg.seed, range(first, first + len(rows))))
+                           autocast=run.autocast, loss_impl=cfg.loss_impl,
+                           anchor_seeds=_anchor_seeds(cfg.seed, range(first, first + len(rows))))
         clock.lap("host")
         tokens += sum(len(r.input_ids) for r in rows)
         if row_log:
@@ -856,7 +897,8 @@ def evaluate(host: Host, model, rows: list[TokenizedChat], *, cfg: TrainConfig, 
         # anchors keyed by the held-out row's index (rank + world * position in `mine`)
         keys = range(rank + world * start, rank + world * (start + len(part)), world)
         batch = make_batch(host, part, taps=taps, device=accelerator.device, pad_token_id=pad_token_id,
-                           autocast=autocast, anchor_seeds=_anchor_seeds(cfg.seed + 1, keys))
+                           autocast=autocast, loss_impl=cfg.loss_impl,
+                           anchor_seeds=_anchor_seeds(cfg.seed + 1, keys))
         with autocast():
             # why the unwrapped drafter: evaluation needs no gradient synchronisation
             outputs.append(accelerator.unwrap_model(model).drafter.training_loss(batch))
