@@ -8,10 +8,10 @@ so `--config run.yaml` works everywhere and unknown keys are errors.
     dspark train / regenerate                     see dspark.training.train, dspark.training.regenerate
     dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
     dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram), train side
-    dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   tau and tokens/s grid
+    dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   dspark.sweep, static batches
     dspark experiment NAME ...                     concurrency, savings, threshold, length, acceptance, simulate
     dspark report RESULTS_DIR [--report-to wandb]  one markdown page (tables + PNGs) from experiment results
-    dspark bench --host HOST --drafter NAME --concurrency 1 4 --num-prompts 8 --out-dir DIR   closed-loop serving
+    dspark bench --host HOST --drafter NAME --concurrency 1 4 --num-prompts 8 --out-dir DIR   dspark.sweep, C in flight
     dspark export --drafter-path DIR --format deepspec --output OUT   the reference's layout (docs/DEEPSPEC.md)
 
 eval, sweep and calibrate take the held-out split a `dspark train` drafter was trained with (docs/RELIABILITY.md §7).
@@ -69,7 +69,7 @@ class DecodeOptions:
                 "probing again later (priced with the cost table's draft cost, `dspark profile --drafter-path`); "
                 "--no-draft-gate drafts every round"})
     drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={"help": DRAFTER_DTYPE_HELP})
-    draft_length: int = field(default=7, metadata={"help": "gamma: draft tokens proposed per round"})
+    draft_length: int = field(default=7, metadata={"help": "draft length γ: draft tokens proposed per round"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 = off"})
@@ -143,7 +143,7 @@ class ProfileOptions:
     drafter_path: Optional[str] = field(default=None, metadata={"help": "the drafter checkpoint to time"})
     drafter_dtype: Literal["host", "float32"] = field(default="host", metadata={"help": DRAFTER_DTYPE_HELP})
     draft_lengths: list[int] = field(default_factory=lambda: [7], metadata={
-        "help": "draft lengths (gamma) to time the drafter at"})
+        "help": "draft lengths γ to time the drafter at"})
 
 
 @dataclass
@@ -158,9 +158,16 @@ class CalibrateOptions:
 
 @dataclass
 class SweepOptions:
-    draft_lengths: list[int] = field(default_factory=lambda: [1, 3, 5, 7], metadata={"help": "gamma values"})
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrency values"})
-    out_dir: str = field(default="sweep", metadata={"help": "directory for sweep.json, sweep.md and sweep.png"})
+    """`dspark sweep`: dspark.sweep for one drafter over draft lengths and static batch sizes (its other flags are
+    DecodeOptions' and, for the prompts, EvalOptions'; --draft-length and --batch-size are not used)."""
+
+    draft_lengths: list[int] = field(default_factory=lambda: [1, 3, 5, 7], metadata={
+        "help": "draft lengths γ (draft tokens proposed per round), each a setting"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={
+        "help": "concurrency C: the prompts decoded in static batches of C (dspark.sweep's static-batch engine; "
+                "`dspark bench` and `dspark experiment concurrency` keep C in flight instead)"})
+    out_dir: str = field(default="sweep", metadata={
+        "help": "directory for concurrency.json, concurrency.md and its PNGs (dspark.sweep)"})
 
 
 @dataclass
@@ -180,16 +187,21 @@ class ExportOptions:
 
 @dataclass
 class BenchOptions:
+    """`dspark bench`: dspark.sweep for plain decoding and at most one drafter at --draft-length under --verifier,
+    C requests in flight (its other flags are DecodeOptions'; --batch-size is not used)."""
+
     concurrency: list[int] = field(default_factory=lambda: [1, 8], metadata={
         "help": "requests kept in flight (closed loop: a queued request enters as soon as one finishes)"})
-    num_prompts: int = field(default=16, metadata={"help": "requests per run (the prompt set, repeated to fill)"})
+    num_prompts: int = field(default=16, metadata={
+        "help": "requests per run, the prompt set repeated to fill (max(C, this) at concurrency C)"})
     data: str = field(default="mtbench", metadata={
         "help": "the prompts: mtbench (six MT-Bench first turns, built in) or a `dspark eval --data` source "
                 "(sharegpt, humaneval, champ, a .jsonl file or a datasets dir; its held-out split, all of an "
                 "evaluation set), its first --num-prompts that fit --max-prompt-length"})
     max_prompt_length: int = field(default=512, metadata={"help": "with --data other than mtbench: skip prompts "
                                                                   "longer than this many tokens"})
-    out_dir: str = field(default="bench", metadata={"help": "directory for bench.json"})
+    out_dir: str = field(default="bench", metadata={
+        "help": "directory for concurrency.json, concurrency.md and its PNGs (dspark.sweep)"})
 
 
 @dataclass
@@ -515,20 +527,43 @@ def _nanmean(values: list[float]) -> float:
     return sum(kept) / len(kept) if kept else float("nan")
 
 
-def cmd_sweep(argv) -> int:
+def one_drafter_sweep(host, d: DecodeOptions, *, draft_lengths: list[int], concurrency: list[int], engine: str):
+    """The dspark.sweep grid of `dspark bench` / `dspark sweep`: plain decoding, and the --drafter / --drafter-path
+    drafter (if any) at every draft length under --verifier with its --threshold, --cost-table, --calibration and
+    --draft-gate, decoded with --max-new-tokens, --temperature / --top-p / --top-k and --seed."""
     from dspark.api import resolve_drafter
-    from dspark.sweep import run_sweep
+    from dspark.engine.sampling import SamplingConfig
+    from dspark.sweep import Drafted, Sweep
+
+    drafter = resolve_drafter(host, None if d.drafter == "none" else d.drafter, drafter_path=d.drafter_path,
+                              dtype=d.drafter_dtype)
+    drafted = [] if drafter is None else [Drafted(_drafter_label(d), K, drafter, path=d.drafter_path)
+                                          for K in draft_lengths]
+    return Sweep(drafted=drafted, policies=[d.verifier], concurrency=concurrency, max_new_tokens=d.max_new_tokens,
+                 sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k), seed=d.seed,
+                 engine=engine, threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
+                 draft_gate=d.draft_gate)
+
+
+def cmd_sweep(argv) -> int:
+    """dspark.sweep over --draft-lengths and --batch-sizes (static batches) for one drafter against plain decoding,
+    on the prompts `dspark eval` decodes (its held-out split, --limit of them)."""
+    from dspark.documents import envelope
+    from dspark.sweep import NAME, check_settings, run
 
     h, d, e, s = parse([HostOptions, DecodeOptions, EvalOptions, SweepOptions], argv, prog="dspark sweep")
     check_drafter_flag(d)
+    if d.drafter == "none" and not d.drafter_path:
+        raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
+    check_settings([d.verifier], batch_sizes=s.batch_sizes, draft_lengths=s.draft_lengths)
     e = resolve_split(d, e)  # the held-out split the drafter was trained with
     host = _host(h)  # as every command loads it: --deterministic switches before the host loads
-    drafter = resolve_drafter(host, None if d.drafter == "none" and d.drafter_path else d.drafter,
-                              drafter_path=d.drafter_path, dtype=d.drafter_dtype)
-    if drafter is None:
-        raise ValueError("dspark sweep compares a drafter with plain decoding: give --drafter or --drafter-path")
-    run_sweep(host, drafter, eval_prompts(host, e), decode_opts=d, eval_opts=e, sweep_opts=s, host_name=h.host,
-              label=_drafter_label(d), argv=argv)
+    sweep = one_drafter_sweep(host, d, draft_lengths=s.draft_lengths, concurrency=s.batch_sizes,
+                              engine="static-batch")
+    # a host without a tokenizer (random:<shape>) decodes seeded random token ids, as `dspark bench` does
+    prompts = eval_prompts(host, e) if host.tokenizer is not None else bench_prompts(host, e.limit)
+    run(host, prompts, sweep, out_dir=s.out_dir,
+        doc=envelope(NAME, argv=argv, host=host, options=[h, d, e, s], prog="dspark sweep"))
     return 0
 
 
@@ -597,39 +632,22 @@ def bench_prompts(host, n: int, source: EvalOptions | None = None) -> list[list[
 
 
 def cmd_bench(argv) -> int:
-    from dspark.api import resolve_drafter, resolve_verifier
-    import dspark.engine.serve as serve_module
-    from dspark.engine.workload import bench
-    from dspark.engine.sampling import SamplingConfig
-    from dspark.engine.jsonio import write_json_atomic
+    """dspark.sweep at --concurrency (C in flight) for plain decoding and at most one drafter at --draft-length."""
+    from dspark.documents import envelope
+    from dspark.sweep import NAME, run
 
     h, d, b = parse([HostOptions, DecodeOptions, BenchOptions], argv, prog="dspark bench")
+    check_drafter_flag(d)
     if b.num_prompts < 1 or any(c < 1 for c in b.concurrency):
         raise ConfigError("--num-prompts and every --concurrency must be >= 1")
     host = _host(h)
-    methods = {"plain": None}
-    if d.drafter != "none" or d.drafter_path:
-        drafter = resolve_drafter(host, None if d.drafter == "none" else d.drafter, drafter_path=d.drafter_path,
-                                  dtype=d.drafter_dtype)
-        methods[_drafter_label(d)] = drafter
-    verifier = resolve_verifier(host, d.verifier, draft_length=d.draft_length, drafter_path=d.drafter_path,
-                                threshold=d.threshold, cost_table=d.cost_table, calibration=d.calibration,
-                                draft_gate=d.draft_gate)
     source = None if b.data == "mtbench" else resolve_split(d, EvalOptions(
         data=b.data, limit=b.num_prompts, max_prompt_length=b.max_prompt_length))  # the split `dspark eval` uses
     prompts = bench_prompts(host, b.num_prompts, source)
-    rows = bench(host, prompts, methods, b.concurrency, verifier=verifier, draft_length=d.draft_length,
-                 max_new_tokens=d.max_new_tokens, seed=d.seed,
-                 sampling=SamplingConfig(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k))
-    out = Path(b.out_dir) / "bench.json"
-    # how the drafter's admissions ran (dspark.engine.serve.CAPTURE_DRAFTER_ADMISSION, DSPARK_DRAFTER_ADMISSION)
-    admission = "captured" if serve_module.CAPTURE_DRAFTER_ADMISSION else "eager"
-    write_json_atomic(out, {"host": h.host, "device": str(host.device), "dtype": str(host.dtype), "data": b.data,
-                            "drafter_dtype": d.drafter_dtype, "drafter_admission": admission, "rows": rows})
-    for r in rows:
-        print(f"{r['method']:>10}  C={r['concurrency']:<4} {r['tokens_per_s']:9.1f} tok/s  tau {r['tau'] or 0:.2f}  "
-              f"in flight {r['mean_in_flight']:.1f}")
-    print(f"wrote {out}")
+    sweep = one_drafter_sweep(host, d, draft_lengths=[d.draft_length], concurrency=b.concurrency,
+                              engine="continuous")
+    run(host, prompts, sweep, out_dir=b.out_dir,
+        doc=envelope(NAME, argv=argv, host=host, options=[h, d, b], prog="dspark bench"))
     return 0
 
 
