@@ -135,8 +135,9 @@ class TrainConfig:
                 "with float32 accumulation, never a float32 rows x vocabulary tensor; drafters/losses.py) or "
                 "reference (float32 logits in checkpointed chunks, what the fused one is tested against)"})
     compile_layers: bool = field(default=False, metadata={
-        "help": "torch.compile the drafter's RMSNorm and MLP modules (CUDA only; fuses their elementwise ops; "
-                "benchmarks/results/training/ has its measured effect)"})
+        "help": "torch.compile the drafter's RMSNorm and MLP modules (CUDA only; fuses their elementwise ops, the "
+                "largest part of a fused-loss step after the GEMMs in benchmarks/results/training/; its own effect "
+                "is not measured yet: benchmarks/train_speed.py --compile-layers)"})
     sparse_attention: bool = field(default=True, metadata={
         "help": "DSpark / DFlash block training through a flex-attention BlockMask where it applies (CUDA, bf16, "
                 "triton; the same keys, fewer FLOPs); false = the dense mask everywhere (= DSPARK_SPARSE_ATTENTION=0)"})
@@ -622,9 +623,9 @@ def init_layers_from_host(drafter, host: Host) -> None:
 
 
 def make_optimizer(params: list, *, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters. why fused on CUDA: one kernel for every parameter's update instead of
-    a multi-tensor loop's several (the optimizer stage of a DSpark step on the Qwen2.5-Coder-1.5B shape:
-    benchmarks/results/training/)."""
+    """AdamW over the trainable parameters. why fused on CUDA: the whole update in one multi-tensor kernel per
+    group instead of a sequence of elementwise ones (5 ms for DSpark's 324M parameters on the Qwen2.5-Coder-1.5B
+    shape, benchmarks/results/training/)."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
 
 
