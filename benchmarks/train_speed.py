@@ -382,14 +382,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2 on a GPU, 1 on a CPU)")
     parser.add_argument("--batch-size", type=int, default=None, help="rows a step (default 2, the recipes')")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens a row (default 2048 on a GPU, 128 on a CPU)")
-    parser.add_argument("--compile-layers", nargs="*", default=[], choices=DRAFTERS,
-                        help="drafters also timed with TrainConfig.compile_layers (fused loss): the 'compiled' rows")
+    parser.add_argument("--compile-layers", nargs="*", default=[], metavar="DRAFTER[@SHAPE]",
+                        help="drafters also timed with TrainConfig.compile_layers (fused loss), on every shape or on "
+                             "SHAPE only: the 'compiled' rows")
+    parser.add_argument("--render", action="store_true", help="only rewrite OUT/train_speed.md from its JSON")
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference-loss rows")
     parser.add_argument("--profile", action="store_true",
                         help="after each row's timed steps, one more under torch.profiler: OUT/profile_<shape>_<drafter>_"
                              "<loss>.txt, its operators by device time")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks/results/training"))
     args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    command = "python benchmarks/train_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.render:
+        result = json.loads((out / "train_speed.json").read_text())
+        write_markdown(result, out / "train_speed.md", result["command"])
+        return result
+    compiled_on = [tuple(spec.partition("@")[::2]) for spec in args.compile_layers]
+    bad = [d for d, _ in compiled_on if d not in DRAFTERS]
+    if bad:
+        parser.error(f"--compile-layers: unknown drafters {bad}; choose from {DRAFTERS}")
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     args.shapes = args.shapes or (["qwen2.5-coder-1.5b", "llama-8b"] if gpu else ["tiny"])
@@ -400,20 +412,19 @@ def main(argv: list[str] | None = None) -> dict:
     gemm_n = 8192 if gpu else 512
     args.gemm_tflops = gemm_tflops(device, gemm_n)
     print(f"GEMM: {args.gemm_tflops:.4g} TFLOP/s", flush=True)
-    result = {"environment": environment(device), "gemm_tflops": args.gemm_tflops,
+    result = {"command": command, "environment": environment(device), "gemm_tflops": args.gemm_tflops,
               "settings": {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
                            "warmup": args.warmup, "gemm_n": gemm_n, "shapes": {k: SHAPES[k].host for k in args.shapes}},
               "rows": [], "baseline": [], "compiled": []}
-    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/train_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         host = load_host(shape.host, device=device, dtype=torch.bfloat16 if gpu else torch.float32)
         rows = synthetic_rows(shape, vocab=host.vocab_size, batch_size=args.batch_size, seq_len=args.seq_len, seed=0)
         runs = [("rows", "fused", False)] + ([] if args.no_baseline else [("baseline", "reference", False)])
         for drafter_name in args.drafters:
-            plan = runs + ([("compiled", "fused", True)] if drafter_name in args.compile_layers else [])
+            compiled = any(d == drafter_name and shape in ("", shape_name) for d, shape in compiled_on)
+            plan = runs + ([("compiled", "fused", True)] if compiled else [])
             for key, impl, compiled in plan:
                 row = time_row(host, shape_name, drafter_name, rows, loss_impl=impl, compiled=compiled, args=args,
                                device=device)
