@@ -1,12 +1,13 @@
 """`dspark <command> ...`: the console script. Every command's flags are typed dataclass fields (dspark.config),
 so `--config run.yaml` works everywhere and unknown keys are errors.
 
-    dspark quickstart [--size ci|small|full]        train a small DSpark drafter, evaluate, write a report
+    dspark quickstart [--size ci|small|full]        train a DSpark drafter, measure where speculation pays, report
     dspark generate --prompt "..." [--drafter ngram|dspark|... | --drafter-path DIR] [--json]
     dspark eval --drafter-path DIR --data sharegpt --temperature 1 --json
     dspark compare --run a.json --against b.json    tau ratio of two evals with a paired bootstrap interval
-    dspark train / regenerate                     see dspark.training.train, dspark.training.regenerate
-    dspark profile --host smollm2 --out cost.json    SPS(B) table for the schedulers
+    dspark train --output DIR [--drafter dspark|dflash|eagle3|mtp] [--data FILE]   train a drafter, host frozen
+    dspark regenerate --output FILE.jsonl [--data sharegpt]   the host's own answers to prompts (training data)
+    dspark profile --host smollm2 --out cost.json    verify steps per second by tokens a step, for the schedulers
     dspark calibrate --drafter-path DIR --data sharegpt   STS temperatures (+ reliability diagram), train side
     dspark sweep --drafter-path DIR --draft-lengths 1 3 5 7 --batch-sizes 1 4 16   dspark.sweep, static batches
     dspark experiment NAME ...                     concurrency, savings, threshold, length, acceptance, simulate
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from dspark.config import ConfigError, parse
+from dspark.engine.jsonio import dumps
 
 
 @dataclass
@@ -44,8 +46,8 @@ class HostOptions:
 
 
 DRAFTER_DTYPE_HELP = ("the dtype a drafter decodes in: host (its weights cast to the host's dtype, bf16 on a GPU) or "
-                      "float32 (its float32 master weights, as `dspark` decoded before 2026-12-06: to compare with "
-                      "those results)")
+                      "float32 (its float32 master weights as trained: on a bf16 host each draft step then reads "
+                      "twice the bytes)")
 
 
 @dataclass
@@ -91,7 +93,9 @@ class ServeOptions:
 @dataclass
 class GenerateOptions:
     prompt: list[str] = field(default_factory=list, metadata={"help": "prompt text (repeat the flag for a batch)"})
-    json: bool = field(default=False, metadata={"help": "print one JSON object {outputs, stats}"})
+    json: bool = field(default=False, metadata={
+        "help": "print one JSON object {outputs, stats} (a statistic undefined for the run, e.g. tau of a request "
+                "with no round, is null)"})
     chat: bool = field(default=True, metadata={"help": "wrap prompts in the tokenizer's chat template"})
 
 
@@ -113,8 +117,11 @@ class EvalOptions:
     offset: int = field(default=0, metadata={
         "help": "skip this many fitting prompts first (e.g. calibrate on prompts an eval does not use)"})
     max_prompt_length: int = field(default=512, metadata={"help": "skip prompts longer than this many tokens"})
-    output: Optional[str] = field(default=None, metadata={"help": "also write the metrics JSON here"})
-    json: bool = field(default=False, metadata={"help": "print the metrics as one JSON object"})
+    output: Optional[str] = field(default=None, metadata={
+        "help": "also write the metrics JSON here (a metric undefined for the run is null: e.g. plain decoding's "
+                "verify rate, with no draft verified)"})
+    json: bool = field(default=False, metadata={
+        "help": "print the metrics as one JSON object (undefined metrics null, as in --output)"})
 
 
 @dataclass
@@ -253,7 +260,7 @@ def cmd_generate(argv) -> int:
     out = generate(host, prompts=g.prompt, chat=g.chat, progress=not g.json, **_decode_kwargs(d, v))
     stats = out.stats
     if g.json:
-        print(json.dumps({"outputs": [{"text": t, "token_ids": ids, "finish_reason": r}
+        print(dumps({"outputs": [{"text": t, "token_ids": ids, "finish_reason": r}
                                       for t, ids, r in zip(out.texts, out.token_ids, out.result.finish_reasons)],
                           "stats": stats}))
     else:
@@ -371,9 +378,9 @@ def cmd_eval(argv) -> int:
                "drafter_dtype": d.drafter_dtype, **summarize(out.result, draft_length=d.draft_length)}
     if e.output:
         Path(e.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(e.output).write_text(json.dumps(metrics, indent=1) + "\n")
+        Path(e.output).write_text(dumps(metrics, indent=1) + "\n")
     if e.json:
-        print(json.dumps(metrics))
+        print(dumps(metrics))
     else:
         lo, hi = metrics["tau_ci95"]
         print(f"tau {metrics['tau']:.3f} [95% {lo:.3f}, {hi:.3f}] over {metrics['request_rounds']} request-rounds "
@@ -413,7 +420,7 @@ def cmd_compare(argv) -> int:
         except ValueError as error:
             raise ValueError(f"{c.run} vs {other_path}: {error}") from None
         if c.json:
-            print(json.dumps({"run": c.run, "against": other_path, **cmp}))
+            print(dumps({"run": c.run, "against": other_path, **cmp}))
         else:
             lo, hi = cmp["ci"]
             print(f"{c.run} / {other_path}: tau {cmp['tau'][0]:.3f} / {cmp['tau'][1]:.3f} = {cmp['ratio']:.3f} "
@@ -450,12 +457,14 @@ def cmd_profile(argv) -> int:
         from verifiers.engine_tables import export_sglang_sps
 
         export_sglang_sps(p.sglang_sps_table, cost)
-    print(f"wrote {p.out} ({cost.mode} steps): SPS at B = "
-          + ", ".join(f"{b}: {s:.1f}" for b, s in zip(cost.tokens, cost.sps)))
+    print(f"wrote {p.out} ({cost.mode} steps). Host verify steps per second (SPS) by M, the tokens in one step "
+          "(requests x tokens a request): "
+          + ", ".join(f"M = {m}: {s:.1f} steps/s ({1000 / s:.2f} ms a step)" for m, s in zip(cost.tokens, cost.sps)))
     for key, entry in cost.draft.items():
         observe = entry.get("observe_seconds", [0.0] * len(entry["seconds"]))
-        print(f"  draft step {key}: " + ", ".join(f"R={r}: {1000 * t:.2f} ms (observe {1000 * o:.2f} ms)" for r, t, o
-                                                  in zip(entry["batch_sizes"], entry["seconds"], observe)))
+        print(f"  drafter step {key} by R, the requests in the step: "
+              + ", ".join(f"R = {r}: propose {1000 * t:.2f} ms, observe {1000 * o:.2f} ms" for r, t, o
+                          in zip(entry["batch_sizes"], entry["seconds"], observe)))
     return 0
 
 
@@ -509,7 +518,7 @@ def cmd_calibrate(argv) -> int:
                   fit_rounds=int(fit.sum()), report_rounds=int(test.sum()),
                   mean_survival_ece={when: _nanmean(report[when]["survival"]["ece"]) for when in ("before", "after")})
     report_path = Path(c.report or target.with_name(target.stem + "_report.json"))
-    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    report_path.write_text(dumps(report, indent=1) + "\n")
     reliability_diagram(report_path.with_suffix(".png"), conf[test], accepted[test], reached[test], calibrator=sts)
     before = report["before"]["survival"]["ece"]
     after = report["after"]["survival"]["ece"]
@@ -672,6 +681,11 @@ def cmd_quickstart(argv) -> int:
     return 0
 
 
+USAGE = ("usage: dspark <command> [--flag value ...]    (dspark <command> --help lists that command's flags)\n\n"
+         "dspark: speculative decoding with DSpark, DFlash, EAGLE-3, MTP and n-gram drafters on a frozen host: "
+         "train a drafter, decode, evaluate, and measure where speculation pays.\n\ncommands:\n"
+         + __doc__.split("\n\n", 1)[1].rstrip())
+
 COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_eval, "train": cmd_train,
             "regenerate": cmd_regenerate, "profile": cmd_profile, "calibrate": cmd_calibrate, "sweep": cmd_sweep,
             "bench": cmd_bench, "compare": cmd_compare, "export": cmd_export}
@@ -680,7 +694,7 @@ COMMANDS = {"quickstart": cmd_quickstart, "generate": cmd_generate, "eval": cmd_
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().split("\n\n", 1)[1] if "\n\n" in __doc__ else __doc__)
+        print(USAGE)
         return 0 if argv else 2
     if argv[0] == "--version":
         from dspark import __version__

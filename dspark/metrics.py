@@ -7,7 +7,11 @@ Conventions (stated because papers differ):
 - Conditional acceptance at k is P(x_k accepted | x_1..x_{k-1} accepted), estimated on the rows that verified
   at least k drafts (a row that verified fewer says nothing about x_k). Prefix survival at k is P(x_1..x_k all
   accepted | at least k verified). Under verify-all the two conditions are the same for every row.
-- Verify rate = accepted / verified drafts; verified-token savings = 1 - verified / proposed.
+- Verify rate = accepted / verified drafts; verified-token savings = 1 - verified / proposed, both over the rounds
+  that drafted (a round a draft gate kept plain proposes nothing): a scheduler that drafted 2 rounds of 190 reports
+  the savings of those 2, so read it beside `proposed_per_round` and the share of rounds drafted.
+- Undefined values (a ratio with nothing to divide by: plain decoding's verify rate, the acceptance at a position no
+  row verified) are NaN here and null in every JSON file the toolkit writes (dspark.engine.jsonio.dumps).
 - Host forward passes per committed token counts each request-round and each request's prefill as one pass
   for that request (`per_request`), and each batched forward once (`batched`).
 - Uncertainty: `tau_ci95` is a percentile bootstrap over requests, not rounds (a request's rounds share its
@@ -168,11 +172,24 @@ def summarize(result: GenerationResult, *, draft_length: int | None = None) -> d
     return out
 
 
+def break_even(rows: list[dict], *, x: str = "concurrency") -> dict[str, int | None]:
+    """Per method, the smallest `x` (concurrency) at which it is no faster than plain decoding (speedup <= 1), None
+    when it is faster at every x measured. rows: {"method", x, "speedup" (tokens/s over plain's at that x)}."""
+    out: dict[str, int | None] = {}
+    for method in dict.fromkeys(r["method"] for r in rows):
+        slower = [r[x] for r in rows if r["method"] == method and r["speedup"] <= 1.0]
+        out[method] = min(slower) if slower else None
+    return out
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """A GitHub-markdown table: `columns` are (key, header); floats printed with 3 decimals."""
+    """A GitHub-markdown table: `columns` are (key, header); floats printed with 3 decimals, undefined values (NaN,
+    None) as a dash."""
     def cell(value) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"  # undefined in this run (see the module docstring)
         if isinstance(value, float):
-            return "nan" if math.isnan(value) else f"{value:.3f}"
+            return f"{value:.3f}"
         return str(value)
 
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]

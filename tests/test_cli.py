@@ -229,3 +229,63 @@ def test_eval_scores_all_of_an_evaluation_set_the_drafter_did_not_train_on(train
     assert resolve_split(d, EvalOptions(data="humaneval", split="heldout")).split == "heldout"  # asked for
     assert resolve_split(d, EvalOptions(data="humaneval"), default_split="train").split == "train"  # calibrate
     assert resolve_split(d, EvalOptions(data=trained["data"])).split == "heldout"  # its own training data
+
+
+# ---- what a user reads: help, units, JSON ----------------------------------------------------------------------------
+def strict_json(text: str):
+    """json.loads that refuses NaN / Infinity, as strict parsers (and the JSON standard) do."""
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_top_level_help_starts_with_usage_and_names_commands_not_modules(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    first, *rest = text.splitlines()
+    assert first.startswith("usage: dspark <command>") and "--help" in first
+    assert rest[1].startswith("dspark: ")  # a one-line description before the command list
+    assert "dspark train --output" in text and "dspark regenerate --output" in text
+    assert "dspark.training" not in text  # commands, not module paths
+    assert main([]) == 2 and capsys.readouterr().out.startswith("usage: dspark")
+
+
+@pytest.mark.parametrize("command", ["quickstart", "generate", "eval", "compare", "train", "regenerate", "profile",
+                                     "calibrate", "sweep", "bench", "export"])
+def test_help_texts_say_what_a_flag_does_now_without_dates(command, capsys):
+    import re
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0 and text.startswith("usage:")
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\b(before|since|until) 20\d\d\b", text), text
+
+
+def test_profile_prints_its_figures_with_units(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["profile", "--host", "random:tiny-llama", "--device", "cpu", "--out", str(out), "--batch-sizes", "1",
+                 "2", "--tokens-per-request", "1", "--repeats", "1", "--warmup", "0", "--context", "8",
+                 "--drafter", "ngram", "--draft-lengths", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "steps per second" in printed and "steps/s" in printed and "ms a step" in printed
+    assert "M = 1:" in printed and "M = 2:" in printed  # tokens per step, which is what the table is keyed by
+    drafter_line = next(line for line in printed.splitlines() if "drafter step ngram/K2" in line)
+    assert "R = 1: propose" in drafter_line and drafter_line.count(" ms") == 4
+    strict_json(out.read_text())
+
+
+def test_eval_json_is_strict_json_with_null_for_undefined_metrics(host_dir, tmp_path, capsys):
+    """Plain decoding verifies no draft: its verify rate is undefined, null in the file and on stdout (not NaN)."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hello"}]}) + "\n")
+    written = tmp_path / "eval_plain.json"
+    assert main(["eval", "--host", host_dir, "--device", "cpu", "--max-new-tokens", "3", "--data", str(data),
+                 "--split", "all", "--limit", "1", "--output", str(written), "--json"]) == 0
+    printed = strict_json(capsys.readouterr().out.strip().splitlines()[-1])
+    on_disk = strict_json(written.read_text())
+    for metrics in (printed, on_disk):
+        assert metrics["verify_rate"] is None and metrics["verified_token_savings"] is None
+        assert metrics["tau"] == 1.0
+    assert main(["compare", "--run", str(written), "--against", str(written), "--json"]) == 0
+    strict_json(capsys.readouterr().out.strip().splitlines()[-1])

@@ -271,14 +271,16 @@ def reliability_diagram(path_png: str | Path, c: torch.Tensor, accepted: torch.T
                                                     ("survival a", lab.known, lab.survived)]):
             ax = axes[row, k]
             ax.plot([0, 1], [0, 1], color="0.7", lw=1)
-            for name, cc in series:
+            m = mask[:, k]
+            for name, cc in series if bool(m.any()) else ():
                 conf = cc[:, k] if row == 0 else cc.cumprod(1)[:, k]
-                m = mask[:, k]
-                if bool(m.any()):
-                    x, y = _curve(conf[m], label[m, k])
-                    ax.plot(x, y, marker="o", ms=3, label=f"{name} ECE {100 * ece(conf[m], label[m, k]):.1f}%")
+                x, y = _curve(conf[m], label[m, k])
+                ax.plot(x, y, marker="o", ms=3, label=f"{name} ECE {100 * ece(conf[m], label[m, k]):.1f}%")
             ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{view}_{k + 1}")
-            ax.legend(fontsize=6, loc="upper left")
+            if bool(m.any()):
+                ax.legend(fontsize=6, loc="upper left")
+            else:  # no round verified this far: nothing to compare (and an empty legend would only warn)
+                ax.text(0.5, 0.5, f"no row reached\nposition {k + 1}", ha="center", va="center", fontsize=7)
     fig.supxlabel("predicted")
     fig.supylabel("empirical")
     fig.savefig(path_png, dpi=110)

@@ -31,7 +31,7 @@ Cost-table JSON (`CostModel.save`, format "dspark.cost_model", version 1):
     context                    cached positions per request while timing (0 in hand-made tables)
     cache_length               positions per request of the cache the steps ran over: the slot engine's for
                                `context` (`kv_cache.slot_cache_length`); 0 where not recorded (hand-made tables,
-                               and tables profiled before 2026-12-07, over context + T + 64 positions per point)
+                               and tables of earlier versions, over context + T + 64 positions per point)
     tokens                     M grid (int, strictly increasing)
     sps                        verify steps per second at each M (float > 0)
     points                     raw measurements: [{batch_size, tokens_per_request, tokens, step_seconds}], the
@@ -175,9 +175,9 @@ class CostModel:
         its largest T: linear in R between profiled batch sizes, then linear in T, clamped below the first of
         either. Elsewhere, and for a table without a full grid (hand-made ones), 1 / SPS(R·T). why not SPS(R·T)
         throughout: of the shapes that share a token count the table keeps the slowest, and at small counts that is
-        the one-request shape, so R plain rows were priced as one request verifying R tokens, 1.73 ms against the
-        1.29 ms they take (compiled SmolLM2 on the H100, 4 rows; benchmarks/RESULTS.md, 2026-12-07), which made a
-        drafted round look as if it paid when it did not."""
+        the one-request shape, so R plain rows were priced as one request verifying R tokens, a third above what
+        they take (compiled SmolLM2 on a GPU, 4 rows; benchmarks/RESULTS.md), which made a drafted round look as if
+        it paid when it did not."""
         fallback = 1.0 / self._interpolate(requests * width)
         grid = self._shape_grid(width.device)
         if grid is None or requests > grid[0][-1]:
@@ -338,8 +338,8 @@ def profile(host, *, batch_sizes: list[int], tokens_per_request: list[int], cont
     Each point: a fresh cache of R requests holding `context` positions, as long as the slot engine's for requests
     of `context` positions (prompt plus budget) verifying up to max(tokens_per_request) tokens a row
     (dspark.engine.kv_cache.slot_cache_length: a captured round attends over all of it, and the engine aligns its
-    length for SDPA's kernels, kv_cache.aligned_length; a profile over context + T + 64 positions, as before
-    2026-12-07, priced T >= 2 well above the engine's rounds, benchmarks/RESULTS.md), random tokens (R, T),
+    length for SDPA's kernels, kv_cache.aligned_length; a profile over context + T + 64 positions, as earlier
+    versions timed, priced T >= 2 well above the engine's rounds, benchmarks/RESULTS.md), random tokens (R, T),
     `warmup` untimed steps, then the median of `repeats` timed steps. Each step is the call `dspark.engine.decode`
     makes for a round at that length, `host.step(cache, tokens, n_valid, attend=context + T)`, so it attends the
     same (bucketed) cache prefix as decoding does; the cache is not advanced (steps overwrite the same positions),

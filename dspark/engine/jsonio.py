@@ -1,9 +1,29 @@
-"""Versioned JSON files: written atomically, read back with their format and version checked."""
+"""JSON as every writer of the toolkit writes it: strict (an undefined number is null, never NaN), versioned files
+written atomically and read back with their format and version checked."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+
+
+def finite(value):
+    """`value` with every float NaN or infinity replaced by None, through dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(doc, **kwargs) -> str:
+    """`doc` as strict JSON: a number that is undefined in a run (NaN: the verify rate of a run that verified no
+    draft, an acceptance at a position no round reached; or infinite) is written null, which every JSON parser
+    reads, where json.dumps would write the non-JSON token NaN."""
+    return json.dumps(finite(doc), allow_nan=False, **kwargs)
 
 
 def write_json_atomic(path: str | Path, doc: dict) -> None:
@@ -11,15 +31,15 @@ def write_json_atomic(path: str | Path, doc: dict) -> None:
     never a truncated one that a later load would trip over."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(staging, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(doc, indent=1) + "\n")
+        with open(partial, "w", encoding="utf-8") as fh:
+            fh.write(dumps(doc, indent=1) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(staging, path)
+        os.replace(partial, path)
     finally:
-        staging.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
 
 
 def read_versioned_json(path: str | Path, fmt: str, version: int, *, what: str) -> dict:
