@@ -242,7 +242,7 @@ def chunk_terms(z: torch.Tensor, zb: torch.Tensor | None, rows: LossRows, start:
     mass = Σ_{v in q's vocabulary} p_v (c,) and returns dloss/dz (c, Vq) in z's dtype (None without gradient).
     On CUDA with triton: drafters/loss_kernels.py, which writes the gradient over z; else `chunk_terms_torch`."""
     if z.is_cuda and _HAS_TRITON:
-        from drafters import loss_kernels
+        import drafters.loss_kernels as loss_kernels
 
         return loss_kernels.chunk_terms(z, zb, rows, start, stop, ce, tv, mass, gradient=gradient)
     return chunk_terms_torch(z, zb, rows, start, stop, ce, tv, mass, gradient=gradient)
