@@ -11,7 +11,7 @@ Rows, per prompt set (HumanEval's first --num-prompts prompts and the six MT-Ben
   default assistant settings (the assistant's generation_config as loaded) and `num_assistant_tokens` = each of
   --num-assistant-tokens with the constant schedule; the best of those is marked;
 - dspark plain and the small-LM drafter at every --draft-length γ, at every --concurrency (C requests in flight on
-  the slot engine), verify-all, with the device time of each round's stages (draft / verify / accept) on CUDA;
+  the slot engine), verify-all, with the device seconds of each round's stages (draft / verify / accept) on CUDA;
 - the γ `verifiers.draft_length.choose_draft_length` predicts from the drafter's measured acceptance (at the longest
   γ, C = 1) and its profiled step costs, with its reason, beside the γ that measured fastest.
 Every row says whether its tokens equal its own plain greedy decoding (transformers' rows against transformers

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference-loss rows")
     parser.add_argument("--profile", action="store_true",
                         help="after each row's timed steps, one more under torch.profiler: OUT/profile_<shape>_<drafter>_"
-                             "<loss>.txt, its operators by device time")
+                             "<loss>.txt, its operators by CUDA time")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks/results/training"))
     args = parser.parse_args(argv)
     out = Path(args.out_dir)

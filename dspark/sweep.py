@@ -71,7 +71,7 @@ class Sweep:
     seed: int = 0  # request i is seeded with seed + i, in every setting
     engine: str = "continuous"  # a name of dspark.engine.workload.DECODE_BACKENDS
     repeats: int = 1  # timed decodes of every row per C, the settings' order rotated each time
-    stage_timing: bool = False  # CUDA events split every round's device time by stage (engine_stats.stage_s)
+    stage_timing: bool = False  # CUDA events split every round's device seconds by stage (engine_stats.stage_s)
     threshold: Optional[float] = None  # the threshold policy's survival threshold
     cost_table: Optional[str] = None  # SPS(B) JSON for the schedulers; None: profiled here when one is needed
     calibration: Optional[str] = None  # STS JSON for the confidence policies; None: each checkpoint's own

@@ -62,7 +62,7 @@ class ConcurrencyOptions:
                 "median, its speedup the median of the ratios to plain decoding's decode of the same repeat (with "
                 "their range)"})
     stage_timing: bool = field(default=False, metadata={
-        "help": "CUDA events split every round's device time by stage (each row's engine_stats.stage_s): a "
+        "help": "CUDA events split every round's device seconds by stage (each row's engine_stats.stage_s): a "
                 "diagnostic, the events themselves cost a little"})
     merge: list[str] = field(default_factory=list, metadata={
         "help": "concurrency.json files of one sweep run in parts: join their rows into OUT_DIR (nothing decoded)"})

@@ -66,7 +66,7 @@ def test_a_folder_given_to_drafter_points_to_drafter_path(host_dir, tmp_path, ca
 
 @pytest.mark.slow
 def test_readme_style_commands_from_the_repository_root(monkeypatch, capsys):
-    """Issue 19's commands as typed, from the repository root (where the package folder dspark/ exists)."""
+    """The documented commands as typed, from the repository root (where the package folder dspark/ exists)."""
     monkeypatch.chdir(ROOT)
     out = run_json(capsys, ["generate", "--host", "smollm2", "--drafter", "dspark", "--prompt",
                             "Name three primes, please.", "--prompt", "hi", "--max-new-tokens", "4", "--json"])

@@ -310,7 +310,7 @@ def test_anchor_blocks_stop_at_response_and_document_ends(tiny_host):
 
 
 def test_seeded_anchors_of_a_row_do_not_depend_on_its_batch(tiny_host):
-    """Issue 25: with TrainBatch.anchor_seeds a row's anchors are a function of its seed alone, whatever rows share
+    """With TrainBatch.anchor_seeds a row's anchors are a function of its seed alone, whatever rows share
     its batch and however far the batch is padded, so N processes x B rows sample the anchors of 1 x N*B rows; and
     TrainOutput.weight is the loss's normaliser (loss x weight adds up over rows)."""
     from drafters.dspark import sample_anchors
@@ -442,7 +442,7 @@ def test_checkpoint_write_is_atomic(saved_dspark, tiny_host, tmp_path, monkeypat
         make("dspark-markov", tiny_host, seed=1).save_pretrained(path)
     after = load_drafter(path, tiny_host).state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging debris
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary debris
 
 
 def test_legacy_gamma_key_loads_as_block_size(saved_dspark, tiny_host, tmp_path):

@@ -233,9 +233,9 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     try:
         while time.monotonic() < deadline and process.poll() is None:
             if output.is_dir():
-                staging = [p for p in output.iterdir() if p.name.startswith(".") and "tmp-checkpoint" in p.name]
+                partial = [p for p in output.iterdir() if p.name.startswith(".") and "tmp-checkpoint" in p.name]
                 done = checkpoints(output)
-                if staging and done:  # a save in progress with an earlier checkpoint already there
+                if partial and done:  # a save in progress with an earlier checkpoint already there
                     mid_write = True
                     break
                 if len(done) >= 3:
@@ -283,9 +283,9 @@ def test_two_process_ddp_on_cpu_then_resume(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               "-m", "dspark.training.train", *flags]
     for steps in ("4", "6"):  # the second launch resumes the first one's step-4 checkpoint
-        # why a session of its own: on a hang, the launcher's worker processes are killed with it
+        # why a process group of its own: on a hang, the launcher's worker processes are killed with it
         process = subprocess.Popen([*launch, "--max-steps", steps], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                   stderr=subprocess.PIPE, text=True, process_group=0)
         try:
             _, stderr = process.communicate(timeout=300)
         finally:
@@ -304,7 +304,7 @@ def test_two_process_ddp_on_cpu_then_resume(tmp_path):
 
 @pytest.mark.slow  # ~30 s: a torchrun launch of two processes and a one-process run
 def test_two_processes_train_as_one_process_of_the_same_global_batch(tmp_path, monkeypatch):
-    """Issue 25: 2 processes x batch 2 (torchrun, gloo, CPU) log the losses, see the rows and end with the drafter
+    """2 processes x batch 2 (torchrun, gloo, CPU) log the losses, see the rows and end with the drafter
     weights of 1 process x batch 4, with grad_accum 2; each process trains on its own rows, none twice an epoch.
     why torchrun, not `accelerate launch`: on a CPU, `accelerate launch --cpu --num_processes 2` starts a single
     process (multi-CPU needs mpirun) and `--multi_gpu` starts two that each see a world of one; on GPUs
@@ -319,7 +319,7 @@ def test_two_processes_train_as_one_process_of_the_same_global_batch(tmp_path, m
     process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                 "2", "-m", "dspark.training.train", *flags, "--batch-size=2",
                                 f"--output={tmp_path / 'two'}"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, process_group=0)
     try:
         _, stderr = process.communicate(timeout=300)
     finally:
@@ -410,7 +410,7 @@ def test_resume_refuses_another_heldout_fraction(tmp_path):
     with pytest.raises(ValueError, match=r"heldout_fraction \(0.02 -> 0.1\)"):
         train(synthetic_config(tmp_path / "run", max_steps=4, save_every=2, eval_every=0, heldout_fraction=0.1))
 def test_default_run_on_cpu_tokenises_only_what_it_trains_on_at_cpu_sizes(tmp_path, monkeypatch):
-    """Issue 19 item 10: `dspark train --max-steps N` with no size flags and no GPU takes the CPU-sized defaults and
+    """`dspark train --max-steps N` with no size flags and no GPU takes the CPU-sized defaults and
     tokenises only the conversations of the rows its N steps consume (it used to tokenise all of ShareGPT)."""
     import dspark.training.data as data_module
 
@@ -439,7 +439,7 @@ def test_default_run_on_cpu_tokenises_only_what_it_trains_on_at_cpu_sizes(tmp_pa
 
 
 def test_a_step_too_large_for_the_memory_stops_at_once_naming_the_flags(tmp_path, monkeypatch):
-    """Issue 19 item 10: rather than being killed by the kernel mid-step, a run whose step cannot fit stops before
+    """Rather than being killed by the kernel mid-step, a run whose step cannot fit stops before
     the first step with a message naming the flags that lower it (here: a machine with 64 MiB available)."""
     monkeypatch.setattr(train_module, "available_memory", lambda device: 64 * 2**20)
     tokenised = []

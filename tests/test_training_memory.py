@@ -1,4 +1,4 @@
-"""Training memory (issue 19, item 10): the EAGLE-3 and DSpark losses keep no vocabulary-sized tensor for backward,
+"""Training memory: the EAGLE-3 and DSpark losses keep no vocabulary-sized tensor for backward,
 and give the same loss, metrics and gradients as the plain formulation that did.
 
 A seeded random Llama host with a wide vocabulary (V = 4096 against H = 32, like a real LM's V >> H), fp32 on the CPU.

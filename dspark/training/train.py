@@ -223,7 +223,7 @@ def available_memory(device: torch.device) -> int:
 
 def check_step_memory(cfg: TrainConfig, host: Host, drafter, device: torch.device, *, element_size: int) -> None:
     """Stop before the first step, with the flags that lower it, when `step_memory` exceeds what is available: a
-    step past it is killed by the kernel with no message (issue 19) or fails with CUDA out of memory."""
+    step past it is killed by the kernel with no message or fails with CUDA out of memory."""
     sparse = device.type == "cuda" and cfg.sparse_attention and element_size == 2
     need = step_memory(cfg, host, drafter, element_size=element_size, sparse=sparse, device=device)
     have = available_memory(device)
@@ -435,27 +435,27 @@ def save_checkpoint(*, accelerator: Accelerator, drafter, optimizer, scheduler, 
     """Write checkpoint-<step> atomically (temp dir, fsync, rename), then prune to the newest `keep`."""
     step = trainer_state["step"]
     final = output / f"{CHECKPOINT_PREFIX}{step:08d}"
-    staging = output / f".tmp-{CHECKPOINT_PREFIX}{step:08d}"
+    partial = output / f".tmp-{CHECKPOINT_PREFIX}{step:08d}"
     if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
         # first: save_pretrained replaces the whole directory it is given
-        drafter.save_pretrained(staging)
+        drafter.save_pretrained(partial)
     accelerator.wait_for_everyone()
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and accelerator.device.type == "cuda":
         rng["torch_cuda"] = torch.cuda.get_rng_state(accelerator.device)
-    save_file(rng, staging / f"rng-{accelerator.process_index}.safetensors")
+    save_file(rng, partial / f"rng-{accelerator.process_index}.safetensors")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        optimizer_to_files(optimizer.state_dict(), staging)
-        write_json_atomic(staging / "scheduler.json", scheduler.state_dict())
+        optimizer_to_files(optimizer.state_dict(), partial)
+        write_json_atomic(partial / "scheduler.json", scheduler.state_dict())
         version, internal, gauss = random.getstate()
-        write_json_atomic(staging / "trainer_state.json",
+        write_json_atomic(partial / "trainer_state.json",
                           {**trainer_state, "python_rng": [version, list(internal), gauss]})
-        _fsync_tree(staging)
+        _fsync_tree(partial)
         if final.exists():  # only when this step was saved before (a resume that had nothing left to do)
             shutil.rmtree(final)
-        os.replace(staging, final)
+        os.replace(partial, final)
         _fsync_dir(output)
         for old in checkpoints(output)[:-keep]:
             shutil.rmtree(old)
@@ -512,9 +512,9 @@ def read_metrics(metrics_file: Path) -> list[dict]:
 def _truncate_metrics(metrics_file: Path, step: int) -> None:
     """Keep only records up to `step` (a killed run may have logged past its last checkpoint)."""
     kept = [r for r in read_metrics(metrics_file) if r["step"] <= step]
-    staging = metrics_file.with_suffix(".jsonl.tmp")
-    staging.write_text("".join(dumps(r) + "\n" for r in kept))
-    os.replace(staging, metrics_file)
+    partial = metrics_file.with_suffix(".jsonl.tmp")
+    partial.write_text("".join(dumps(r) + "\n" for r in kept))
+    os.replace(partial, metrics_file)
 
 
 def plot_curve(metrics_file: Path, path: Path) -> None:
@@ -556,7 +556,7 @@ def _start(cfg: TrainConfig, output: Path, accelerator: Accelerator) -> Path | N
     """The checkpoint to resume from (None = fresh start), after cleaning debris of a killed save."""
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
-        # a killed save leaves only hidden staging directories (ours and save_pretrained's) with this tag
+        # a killed save leaves only hidden partial directories (ours and save_pretrained's) with this tag
         for debris in output.glob(f".*tmp-{CHECKPOINT_PREFIX}*"):
             shutil.rmtree(debris, ignore_errors=True)
     accelerator.wait_for_everyone()
