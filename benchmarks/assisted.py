@@ -2,7 +2,7 @@
 generation and through the slot engine, in one process on one device.
 
     python benchmarks/assisted.py --host qwen2.5-coder-1.5b --assistant qwen2.5-coder-0.5b \\
-        --out-dir benchmarks/results/small-lm                                  # GPU: bf16, greedy, 256 new tokens
+        --out-dir runs/small-lm                                                # GPU: bf16, greedy, 256 new tokens
     python benchmarks/assisted.py --host random:tiny-qwen2 --assistant random:tiny-qwen2 --device cpu \\
         --num-prompts 2 --max-new-tokens 8 --draft-lengths 1 3 --concurrency 1 2 --out-dir /tmp/assisted  # smoke
 

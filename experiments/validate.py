@@ -3,7 +3,7 @@ same host, prompts, drafters and policies, in one process.
 
     dspark experiment simulator_validation --host smollm2 --drafters ngram dspark --drafter-paths dspark=ckpt/dspark \\
         --policies full scheduler --draft-length 7 --concurrency 1 8 64 --num-prompts 64 --max-new-tokens 128 \\
-        --out-dir benchmarks/h200                      # on the GPU: benchmarks/h200/simulator_validation.json
+        --out-dir runs/sim                             # on the GPU: runs/sim/simulator_validation.json
     dspark experiment simulator_validation --host random:tiny-llama --drafters ngram --policies full \\
         --concurrency 1 2 --num-prompts 4 --max-new-tokens 8 --out-dir /tmp/val      # CPU smoke
 
@@ -29,7 +29,7 @@ simulator_validation.png, and keeps what the predictions were made from: cost.js
 drafter checkpoint's calibration_<drafter>.json. So a change to the simulator or its pricing is checked against a
 past GPU run on any machine, without decoding again:
 
-    dspark experiment simulator_validation --replay benchmarks/h100/simulator_validation_X --out-dir /tmp/again
+    dspark experiment simulator_validation --replay benchmarks/results/simulator/compiled --out-dir /tmp/again
 """
 from __future__ import annotations
 
