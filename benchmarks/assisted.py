@@ -22,43 +22,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _generate, beside this script
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
 from dspark.engine.jsonio import dumps  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.quickstart import environment  # noqa: E402
 from dspark.sweep import Drafted, Sweep, measure  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def hf_decode(model, prompts: list[list[int]], *, new: int, **kwargs) -> dict:
-    """transformers generate() greedy, one prompt at a time; an untimed first call warms up. tokens/s over the
-    timed calls, and every prompt's new token ids."""
-    device = next(model.parameters()).device
-    tokens, seconds, outputs = 0, 0.0, []
-    for i, p in enumerate([prompts[0], *prompts]):
-        x = torch.tensor([p], device=device)
-        sync()
-        start = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
-                             pad_token_id=0, **kwargs)
-        sync()
-        if i:
-            seconds += time.perf_counter() - start
-            tokens += out.shape[1] - x.shape[1]
-            outputs.append(out[0, x.shape[1]:].tolist())
-    return {"tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds, "new_tokens": tokens,
-            "token_ids": outputs}
+from _generate import hf_decode  # noqa: E402  (benchmarks/_generate.py)
 
 
 def transformers_rows(host, assistant_model, prompts: list[list[int]], *, new: int,

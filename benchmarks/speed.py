@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _generate, beside this script
 
 from dspark.api import encode_prompts, load_host  # noqa: E402
 from dspark.documents import envelope  # noqa: E402
@@ -45,27 +46,12 @@ from dspark.engine.compiled import set_inductor  # noqa: E402
 from dspark.engine.workload import PROMPTS as MT_BENCH  # noqa: E402
 from dspark.quickstart import environment  # noqa: E402
 from dspark.sweep import NAME, Drafted, Sweep, measure, run  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from _generate import hf_decode  # noqa: E402  (benchmarks/_generate.py)
 
 
 def hf_tok_s(host, ids: list[list[int]], *, new: int, **kwargs) -> float:
-    """transformers generate() one prompt at a time (concurrency 1), greedy; the first call warms up."""
-    model, tokens, seconds = host.model, 0, 0.0
-    for i, p in enumerate(ids):
-        x = torch.tensor([p], device=host.device)
-        sync()
-        start = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
-                             pad_token_id=0, **kwargs)
-        sync()
-        if i:
-            seconds += time.perf_counter() - start
-            tokens += out.shape[1] - x.shape[1]
-    return tokens / seconds
+    """transformers generate() one prompt at a time (concurrency 1), greedy, after a warm-up call."""
+    return hf_decode(host.model, ids, new=new, **kwargs)["tokens_per_s"]
 
 
 def drafters_for(host, names, checkpoints: Path | None, K: int) -> tuple[list[Drafted], dict[str, str]]:
