@@ -74,6 +74,16 @@ def smollm2_host() -> Host:
     return dspark.load_host("smollm2")
 
 
+def with_draft_price(cost, drafter, K: int, seconds: float):
+    """`cost` (a hand-made CostModel) completed with `drafter`'s propose step at K drafts, `seconds` at every batch
+    size, as `dspark profile --drafter-path` would record it; without one the schedulers warn that they price the
+    drafter's step as free."""
+    from verifiers.cost_model import draft_key
+
+    cost.draft[draft_key(drafter, K)] = {"batch_sizes": [1], "seconds": [seconds], "observe_seconds": [0.0]}
+    return cost
+
+
 def random_prompts(lengths, vocab: int, seed: int = 0, repeat: bool = True) -> list[list[int]]:
     """Prompts of the given lengths; repeated halves give the n-gram drafter something to find."""
     g = torch.Generator().manual_seed(seed)

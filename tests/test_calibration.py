@@ -139,11 +139,13 @@ def test_cli_fits_on_some_prompts_and_reports_on_the_others(tmp_path, capsys):
     host = chat_host()
     host.model.save_pretrained(tmp_path / "host")
     host.tokenizer.save_pretrained(tmp_path / "host")
-    build_drafter("dspark", host, block_size=4, num_layers=1).save_pretrained(tmp_path / "drafter")
+    with pytest.warns(UserWarning, match="random weights"):  # a random drafter is what this test calibrates
+        build_drafter("dspark", host, block_size=4, num_layers=1).save_pretrained(tmp_path / "drafter")
     data = write_conversations(tmp_path / "chats.jsonl", 10)
     argv = ["calibrate", "--host", str(tmp_path / "host"), "--device", "cpu", "--drafter-path", str(tmp_path / "drafter"),
             "--data", data, "--split", "all", "--offset", "2", "--limit", "8", "--draft-length", "4", "--max-new-tokens", "12"]
-    assert main(argv) == 0
+    with pytest.warns(UserWarning, match="which `dspark eval` also scores"):  # --split all: on purpose here
+        assert main(argv) == 0
     report = json.loads((tmp_path / "drafter" / "calibration_report.json").read_text())
     assert (report["fit_requests"], report["report_requests"]) == (4, 4)
     assert report["fit_rounds"] > 0 and report["report_rounds"] > 0 and report["positions"] == 4

@@ -27,7 +27,7 @@ from drafters import DRAFTERS
 from dspark.engine.decode import generate
 from dspark.engine.round import COLUMNS, width_bucket
 from dspark.engine.sampling import SamplingConfig
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, with_draft_price
 from tests.test_decode import K, build_any, trained_dspark
 from verifiers import build_verifier
 from verifiers.cost_model import CostModel
@@ -370,7 +370,8 @@ def test_gated_schedulers_keep_the_greedy_tokens_overlapped(tiny_host, monkeypat
     is plain (the scheduler's lookahead)."""
     monkeypatch.setattr(serve, "OVERLAP_DEVICES", ("cuda", "cpu"))
     drafter, prompts = drafter_of("dspark-trained", tiny_host), prompts_of(tiny_host)
-    verifier = build_verifier(verifier_name, cost_table=CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0}))
+    cost = with_draft_price(CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0}), drafter, K, 1e-4)
+    verifier = build_verifier(verifier_name, cost_table=cost)
     got = generate(tiny_host, prompts, drafter=drafter, verifier=verifier, draft_length=K, max_new_tokens=LIMITS,
                    seeds=SEEDS, concurrency=2, graphs=graphs)
     assert got.engine["overlapped"] and 0 < got.engine["drafted_rounds"] < got.rounds  # the gate skipped some
@@ -437,7 +438,7 @@ def test_a_gated_drafter_observes_its_plain_rounds_later_as_it_would_have(tiny_h
     monkeypatch.setattr(runners.Backlog, "take", counted)
     drafter, prompts = drafter_of(name, tiny_host), prompts_of(tiny_host)
     assert drafter.observe_batched
-    cost = CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0})
+    cost = with_draft_price(CostModel.from_points({1: 50.0, 4: 48.0, 64: 10.0}), drafter, K, 1e-4)
     runs, contexts = {}, {}
     for defer in (True, False):
         seen = contexts[defer] = []  # what the drafter holds when it proposes

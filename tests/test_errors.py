@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, tiny_model
+from conftest import random_prompts, tiny_model, with_draft_price
 
 from drafters import CheckpointError, build_drafter, load_drafter
 import dspark
@@ -502,8 +502,9 @@ def test_non_finite_draft_distribution_is_reported(tiny_host, temperature):
 
 @pytest.mark.parametrize("bad, verifier", [(math.nan, "threshold"), (math.nan, "scheduler"), (1.5, "full")])
 def test_bad_draft_confidence_is_reported(tiny_host, bad, verifier):
-    kw = {"threshold": {"threshold": 0.3}, "scheduler": {"cost_table": CostModel(tokens=[1, 64], sps=[100.0, 90.0])},
-          "full": {}}[verifier]
+    # the scheduler's table prices the drafter's step (next to nothing: a complete table, same rounds as a free one)
+    table = with_draft_price(CostModel(tokens=[1, 64], sps=[100.0, 90.0]), _NaNq(request=1, round_index=2), 2, 1e-9)
+    kw = {"threshold": {"threshold": 0.3}, "scheduler": {"cost_table": table}, "full": {}}[verifier]
     with pytest.raises(FloatingPointError, match=r"confidences outside \[0, 1\], in round 2 for request\(s\) \[1\]"):
         dspark.generate(tiny_host, _NaNq(request=1, round_index=2, in_confidence=True, bad=bad),
                         random_prompts([4, 6, 8], 128), verifier=verifier, draft_length=2, max_new_tokens=10, **kw)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import random_prompts, with_draft_price
 
 from drafters import build_drafter
 import dspark
@@ -49,7 +49,7 @@ def drafters(tiny_host):
         return {name: build_drafter(name, tiny_host) for name in DRAFTERS}
 
 
-def random_verifier(name: str, g: torch.Generator):
+def random_verifier(name: str, g: torch.Generator, drafter, K: int):
     if name == "threshold":
         return build_verifier(name, threshold=[0.0, 0.2, 0.5, 0.9, 1.0][int(torch.randint(5, (1,), generator=g))])
     if name in ("scheduler", "lagged"):
@@ -57,7 +57,7 @@ def random_verifier(name: str, g: torch.Generator):
         knee = int(torch.randint(1, 40, (1,), generator=g))
         sps = 100.0 * float(torch.rand(1, generator=g)) + 1.0
         table = CostModel.from_points({1: sps, knee + 1: sps * 0.9, knee + 64: sps * 0.05})
-        return build_verifier(name, cost_table=table)
+        return build_verifier(name, cost_table=with_draft_price(table, drafter, K, 0.5 / sps))  # half a step
     return build_verifier(name)
 
 
@@ -82,7 +82,7 @@ def test_fuzz_greedy_equals_plain_decoding(tiny_host, drafters):
                 K = case.pop("draft_length")
                 plain = generate(tiny_host, **case)
                 spec = generate(tiny_host, **case, drafter=drafters[drafter_name],
-                                verifier=random_verifier(policy, g), draft_length=K)
+                                verifier=random_verifier(policy, g, drafters[drafter_name], K), draft_length=K)
                 where = f"{drafter_name}/{policy} draft_length={K} {case}"
                 assert spec.token_ids == plain.token_ids, where
                 assert spec.finish_reasons == plain.finish_reasons, where
@@ -105,7 +105,8 @@ def test_fuzz_sampling_never_fails(tiny_host, drafters, drafter_name):
         sampling = SamplingConfig(temperature=[0.5, 1.0, 1.5][int(torch.randint(3, (1,), generator=g))],
                                   top_p=[1.0, 0.9, 0.5][int(torch.randint(3, (1,), generator=g))],
                                   top_k=[0, 5][int(torch.randint(2, (1,), generator=g))])
-        out = generate(tiny_host, **case, drafter=drafters[drafter_name], verifier=random_verifier(policy, g),
+        out = generate(tiny_host, **case, drafter=drafters[drafter_name],
+                       verifier=random_verifier(policy, g, drafters[drafter_name], K),
                        draft_length=K, sampling=sampling, seed=int(torch.randint(1000, (1,), generator=g)))
         for ids, limit, reason in zip(out.token_ids, case["max_new_tokens"], out.finish_reasons):
             assert 1 <= len(ids) <= limit and all(0 <= t < tiny_host.vocab_size for t in ids)
@@ -132,9 +133,8 @@ def test_long_batch_with_mixed_stop_conditions(tiny_host, drafters):
         return i % 5 == 0 and len(seen[i]) >= 6
 
     results = []
-    for drafter, verifier in [(None, None), (drafters["dspark"], build_verifier("scheduler", cost_table=CostModel.
-                                                                                 from_points({1: 50.0, 48: 40.0,
-                                                                                              400: 4.0}))),
+    table = with_draft_price(CostModel.from_points({1: 50.0, 48: 40.0, 400: 4.0}), drafters["dspark"], 5, 0.004)
+    for drafter, verifier in [(None, None), (drafters["dspark"], build_verifier("scheduler", cost_table=table)),
                               (drafters["ngram"], build_verifier("full"))]:
         seen = {i: [] for i in range(n)}
         out = generate(tiny_host, prompts, drafter=drafter, verifier=verifier, draft_length=5, max_new_tokens=limits,

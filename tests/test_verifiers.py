@@ -137,15 +137,16 @@ def test_priced_tokens_are_the_tokens_the_decode_loop_runs(tiny_host, monkeypatc
     """Every verify round of a real decode: the host step gets exactly verify_tokens(max ell, R) tokens."""
     from drafters.ngram import NgramDrafter
     from dspark.engine.decode import generate
-    from tests.conftest import random_prompts
+    from tests.conftest import random_prompts, with_draft_price
 
     steps = []
     step = tiny_host.step
     monkeypatch.setattr(tiny_host, "step", lambda cache, tokens, *a, **kw: (steps.append(tokens.shape),
                                                                             step(cache, tokens, *a, **kw))[1])
     prompts = random_prompts([12, 20, 9], tiny_host.vocab_size)
-    out = generate(tiny_host, prompts, drafter=NgramDrafter(), verifier=PrefixScheduler(steep()), draft_length=K,
-                   max_new_tokens=16)
+    drafter = NgramDrafter()
+    verifier = PrefixScheduler(with_draft_price(steep(), drafter, K, 1e-6))  # a lookup: next to nothing
+    out = generate(tiny_host, prompts, drafter=drafter, verifier=verifier, draft_length=K, max_new_tokens=16)
     rounds, chosen = steps[1:], out.log.per_round("verified")  # after the prefill; the lengths verified per round
     assert len(rounds) == len(chosen) > 0
     ragged = 0
