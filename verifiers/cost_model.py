@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import bisect
 import csv
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -68,7 +67,7 @@ from pathlib import Path
 import torch
 
 from dspark.engine.compiled import drafter_fn
-from dspark.engine.jsonio import read_versioned_json, write_json_atomic
+from dspark.engine.jsonio import dumps, read_versioned_json, write_json_atomic
 from dspark.engine.kv_cache import slot_cache_length
 from dspark.engine.protocol import DraftState, Drafter, graph_shapes
 from dspark.engine.sampling import SamplingConfig
@@ -472,4 +471,4 @@ def export_engine_json(path: str | Path, *, cost: CostModel, sts_temperatures: l
             "positions": len(sts_temperatures), "temperatures": [float(t) for t in sts_temperatures],
             "rule": "c_k' = sigmoid(logit(c_k) / t_k); a_k = prod_{i<=k} c_i'"},
     }
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    Path(path).write_text(dumps(doc, indent=1) + "\n")
