@@ -251,7 +251,7 @@ def run(cfg: QuickstartConfig, argv: list[str] | None = None) -> Path:
         plain = next(r for r in rows if r["method"] == "plain" and r["concurrency"] == row["concurrency"])
         row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
     with stages.stage("report", f"writing the report to {out}"):
-        doc = {"command": "dspark quickstart " + " ".join(argv or []), "config": to_dict(cfg),
+        doc = {"command": " ".join(["dspark quickstart", *(argv or [])]), "config": to_dict(cfg),
                "size": {**size.__dict__, "concurrency": concurrency}, "data": data, "checkpoint": str(checkpoint),
                "draft_length": DRAFT_LENGTH, "prompts": len(ids), "environment": environment(device),
                "host_dtype": str(host.dtype),
