@@ -92,3 +92,13 @@ def random_prompts(lengths, vocab: int, seed: int = 0, repeat: bool = True) -> l
         half = torch.randint(0, vocab, (max(1, n // 2),), generator=g).tolist()
         out.append((half + half)[:n] if repeat else torch.randint(0, vocab, (n,), generator=g).tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests, the setting restored after. why: a 64-wide host's matmuls are
+    microseconds; on a shared machine two intra-op threads mostly wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

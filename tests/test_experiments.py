@@ -8,7 +8,6 @@ import sys
 import warnings
 
 import pytest
-import torch
 
 import dspark
 from dspark.cli import main as cli
@@ -33,14 +32,7 @@ def load(path) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # why: a 64-wide host's matmuls are microseconds; on a shared machine two intra-op threads mostly wait on each
-    # other (15 ms per linear measured under load, 1 ms alone), so these runs use one and restore the setting
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,7 @@ STATS_KEYS = {"rounds", "drafted_rounds", "mean_width", "wait_s", "admissions", 
               "in_flight_until_dry", "graphs", "warmup_s", "gc_s", "gc_collections", "stage_s"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # why: a 64-wide host's matmuls are microseconds; two intra-op threads on a shared CPU mostly wait on each other
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def quiet(argv: list[str]) -> int:
